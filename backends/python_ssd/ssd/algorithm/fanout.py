@@ -1,0 +1,89 @@
+"""How many outcomes (k, t*) to pre-draft at each accepted length k: the fan-out F_0..F_K.
+
+The accepted length is modelled as a capped geometric with per-token acceptance a; the chance that
+the cache misses t* at a depth with fan-out F as F^-r. Minimising the expected miss rate under a
+budget B = sum F_k gives F_k ~ a^(k/(1+r)) for k < K and F_K ~ a^(K/(1+r)) (1-a)^(-1/(1+r))
+(SSD paper, section 4). Both a and r are estimated online from verified rounds.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+def _largest_remainder(weights: list[float], budget: int) -> list[int]:
+    # every depth keeps at least one candidate: a depth with F = 0 misses for sure
+    n = len(weights)
+    budget = max(budget, n)
+    total = sum(weights)
+    raw = [1 + (budget - n) * w / total for w in weights]
+    out = [int(math.floor(x)) for x in raw]
+    rest = budget - sum(out)
+    order = sorted(range(n), key=lambda i: raw[i] - out[i], reverse=True)
+    for i in order[:rest]:
+        out[i] += 1
+    return out
+
+
+def uniform_fanout(k: int, budget: int) -> list[int]:
+    return _largest_remainder([1.0] * (k + 1), budget)
+
+
+def geometric_fanout(k: int, budget: int, a: float, r: float) -> list[int]:
+    a = min(max(a, 0.05), 0.98)
+    r = max(r, 0.05)
+    w = [a ** (i / (1 + r)) for i in range(k)]
+    w.append(a ** (k / (1 + r)) * (1 - a) ** (-1 / (1 + r)))
+    return _largest_remainder(w, budget)
+
+
+@dataclass
+class FanoutEstimator:
+    """Online estimates of a (per-token acceptance) and r (miss exponent).
+
+    a: maximum likelihood for a capped geometric: accepted tokens / (accepted + rejections).
+    r: least squares of log(miss rate) on log(F) over the fan-outs seen (kept per F value).
+    """
+
+    prior_a: float = 0.8
+    prior_r: float = 1.0
+    accepted: int = 0
+    rejections: int = 0
+    by_fanout: dict[int, list[int]] = field(default_factory=dict)  # F -> [misses, trials]
+
+    def record_round(self, accepted: int, draft_len: int) -> None:
+        self.accepted += accepted
+        self.rejections += int(accepted < draft_len)
+
+    def record_lookup(self, fanout: int, hit: bool) -> None:
+        m = self.by_fanout.setdefault(fanout, [0, 0])
+        m[0] += int(not hit)
+        m[1] += 1
+
+    @property
+    def a(self) -> float:
+        n = self.accepted + self.rejections
+        if n < 4:
+            return self.prior_a
+        return self.accepted / n
+
+    @property
+    def r(self) -> float:
+        pts = [(math.log(f), math.log(max(m, 0.5) / t)) for f, (m, t) in self.by_fanout.items() if t >= 8 and f >= 1]
+        if len(pts) < 2:
+            return self.prior_r
+        mx = sum(x for x, _ in pts) / len(pts)
+        my = sum(y for _, y in pts) / len(pts)
+        sxx = sum((x - mx) ** 2 for x, _ in pts)
+        if sxx == 0:
+            return self.prior_r
+        slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
+        return min(max(-slope, 0.05), 5.0)
+
+
+def allocate(shape: str, k: int, budget: int, est: FanoutEstimator | None = None) -> list[int]:
+    if shape == "uniform" or est is None:
+        return uniform_fanout(k, budget)
+    if shape == "geometric":
+        return geometric_fanout(k, budget, est.a, est.r)
+    raise ValueError(f"unknown fanout shape {shape!r} (expected 'uniform' or 'geometric')")

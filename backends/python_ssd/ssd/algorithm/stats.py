@@ -1,0 +1,84 @@
+"""Per-request statistics and the speedup model they feed.
+
+Times are wall seconds measured by the orchestrator around each call. The speedup model (time in
+units of one target verify T_v):  speedup = [p E_hit + (1-p) E_miss] / [p max(1, T_p) + (1-p)(1 + T_b)]
+where E_* are tokens produced per round (accepted + 1), T_p the drafter's speculation time and T_b
+the backup's drafting time, both relative to T_v. For SD: E_SD / (1 + T_SD).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestStats:
+    mode: str
+    draft_len: int = 0
+    rounds: int = 0
+    tokens_per_round: list[int] = field(default_factory=list)
+    source_per_round: list[str] = field(default_factory=list)  # cache | neural | fast | draft | none
+    hits: int = 0
+    misses: int = 0
+    t_verify: float = 0.0
+    t_speculate: float = 0.0
+    t_backup: float = 0.0
+    t_draft: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    new_tokens: int = 0
+    backup_reasons: Counter = field(default_factory=Counter)
+
+    def record_round(self, produced: int, source: str) -> None:
+        self.rounds += 1
+        self.tokens_per_round.append(produced)
+        self.source_per_round.append(source)
+
+    @staticmethod
+    def _mean(xs: list[int]) -> float:
+        return sum(xs) / len(xs) if xs else 0.0
+
+    def to_dict(self) -> dict:
+        hit_rounds = [t for t, s in zip(self.tokens_per_round, self.source_per_round) if s == "cache"]
+        miss_rounds = [t for t, s in zip(self.tokens_per_round, self.source_per_round) if s in ("neural", "fast")]
+        lookups = self.hits + self.misses
+        p_hit = self.hits / lookups if lookups else 0.0
+        t_v = self.t_verify / self.rounds if self.rounds else 0.0
+        n_backup = sum(1 for s in self.source_per_round if s in ("neural", "fast"))
+        t_p = (self.t_speculate / max(self.rounds, 1)) / t_v if t_v else 0.0
+        t_b = (self.t_backup / n_backup) / t_v if (t_v and n_backup) else 0.0
+        t_d = (self.t_draft / max(self.rounds, 1)) / t_v if t_v else 0.0
+        e_all = self._mean(self.tokens_per_round)
+        e_hit, e_miss = self._mean(hit_rounds), self._mean(miss_rounds)
+        if self.mode == "ssd" and lookups:
+            predicted = (p_hit * e_hit + (1 - p_hit) * e_miss) / (p_hit * max(1.0, t_p) + (1 - p_hit) * (1 + t_b))
+        elif self.mode == "sd":
+            predicted = e_all / (1 + t_d)
+        else:
+            predicted = 1.0
+        decode_tps = self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+        return {
+            "mode": self.mode,
+            "draft_len": self.draft_len,
+            "rounds": self.rounds,
+            "new_tokens": self.new_tokens,
+            "acceptance_length": round(e_all, 4),
+            "accepted_per_round": [t - 1 for t in self.tokens_per_round],
+            "cache_hits": self.hits,
+            "cache_misses": self.misses,
+            "p_hit": round(p_hit, 4),
+            "e_hit": round(e_hit, 4),
+            "e_miss": round(e_miss, 4),
+            "backup_used": dict(Counter(s for s in self.source_per_round if s in ("neural", "fast"))),
+            "backup_reasons": dict(self.backup_reasons),
+            "t_verify_ms": round(1000 * t_v, 2),
+            "t_p": round(t_p, 4),
+            "t_b": round(t_b, 4),
+            "t_sd_draft": round(t_d, 4),
+            "prefill_s": round(self.prefill_s, 4),
+            "decode_s": round(self.decode_s, 4),
+            "decode_tokens_per_s": round(decode_tps, 3),
+            "speedup_predicted": round(predicted, 3),
+            # measured against this request's own AR cost: one target step per token ~ T_v
+            "speedup_measured_vs_ar_step": round(decode_tps * t_v, 3),
+        }

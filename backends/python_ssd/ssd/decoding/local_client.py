@@ -1,0 +1,43 @@
+"""A WorkerClient that calls the workers in this process (tests, in-process benchmarks).
+
+Calls run in threads so a verify and a speculation can overlap (torch releases the GIL in its
+kernels); each worker is guarded by a lock, as an engine process would serialise its own calls.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from ..workers.protocol import DraftCall, DraftResult, FetchCall, SpeculateCall, SpeculateResult, VerifyCall, VerifyResult
+
+
+class LocalClient:
+    def __init__(self, target, drafter=None, fast=None):
+        self.target, self.drafter, self.fast = target, drafter, fast
+        self._locks = {id(w): threading.Lock() for w in (target, drafter, fast) if w is not None}
+
+    async def _call(self, worker, method: str, call):
+        def run():
+            with self._locks[id(worker)]:
+                return getattr(worker, method)([call])[0]
+        return await asyncio.to_thread(run)
+
+    async def verify(self, call: VerifyCall) -> VerifyResult:
+        return await self._call(self.target, "verify", call)
+
+    async def draft(self, call: DraftCall) -> DraftResult:
+        return await self._call(self.drafter, "draft", call)
+
+    async def speculate(self, call: SpeculateCall) -> SpeculateResult:
+        return await self._call(self.drafter, "speculate", call)
+
+    async def fetch(self, call: FetchCall) -> DraftResult:
+        return await self._call(self.drafter, "fetch", call)
+
+    async def fast_draft(self, call: DraftCall) -> DraftResult:
+        return await self._call(self.fast, "draft", call)
+
+    async def release(self, seq_id: str) -> None:
+        for w in (self.target, self.drafter, self.fast):
+            if w is not None:
+                w.release(seq_id)

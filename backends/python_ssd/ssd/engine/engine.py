@@ -1,0 +1,187 @@
+"""The torch engine: sequences, prefix reuse, rollback and tree rows over a lean forward.
+
+Contract (shared with the TensorRT-LLM engine): a call names a sequence and the *full* token list it
+should have; the engine reuses the longest cached prefix, rolls back anything after it, runs only the
+new tokens and returns logits for the last positions asked for. Callers never manage KV state, so a
+restarted engine or a lost cache costs time, never correctness.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from .kv_cache import SequenceKV
+from .model import ModelConfig, RowBatch, Transformer
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class Sequence:
+    kv: SequenceKV
+    tokens: list[int] = field(default_factory=list)  # committed tokens, KV in slots 0..len-1
+    scratch_end: int = 0  # first free slot after the committed tokens and the current tree rows
+    last_used: float = 0.0
+    tree_parent: dict[int, int] = field(default_factory=dict)  # tree slot -> parent slot (-1: root)
+    tree_prefix: dict[int, int] = field(default_factory=dict)  # tree slot -> committed tokens it sees
+
+
+@dataclass
+class ExtendCall:
+    seq_id: str
+    tokens: list[int]
+    n_logits: int = 1  # logits for the last n positions of `tokens`
+
+
+@dataclass
+class TreeCall:
+    """New tree rows of one sequence. ``parents[i]`` is the index of row i's parent among the rows
+    already in the tree (global row ids returned by earlier calls) or -1; ``prefix_lens[i]`` is how
+    many committed tokens the row's root sees."""
+
+    seq_id: str
+    tokens: list[int]
+    positions: list[int]
+    prefix_lens: list[int]
+    parents: list[int]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class TorchEngine:
+    def __init__(self, folder: str | os.PathLike, dtype: str | None = None, threads: int | None = None,
+                 step_rows: int = 0, exact: bool = True, max_sequences: int = 64, max_len: int | None = None):
+        """``step_rows`` > 0 pads every short forward to that many rows, so an AR step and a verify
+        have the same shapes (bit-identical greedy output across modes in bf16 too)."""
+        if threads:
+            torch.set_num_threads(int(threads))
+        folder = Path(folder)
+        with open(folder / "config.json") as f:
+            hf = json.load(f)
+        meta = {}
+        if (folder / "engine.json").exists():
+            meta = json.loads((folder / "engine.json").read_text())
+        self.config = ModelConfig.from_hf(hf)
+        dtype = dtype or meta.get("dtype", "bfloat16")
+        self.dtype = DTYPES[dtype]
+        weights = load_file(str(folder / "model.safetensors"))
+        self.model = Transformer(self.config, weights, self.dtype)
+        del weights
+        eos = hf.get("eos_token_id", [])
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | set(meta.get("eos_token_ids", []))
+        self.step_rows = step_rows
+        self.exact = exact
+        self.max_sequences = max_sequences
+        self.max_len = max_len or self.config.max_position
+        self.sequences: dict[str, Sequence] = {}
+        self.folder = folder
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    # -- sequence bookkeeping -------------------------------------------------------------------
+    def _seq(self, seq_id: str) -> Sequence:
+        s = self.sequences.get(seq_id)
+        if s is None:
+            if len(self.sequences) >= self.max_sequences:  # evict the least recently used
+                oldest = min(self.sequences, key=lambda k: self.sequences[k].last_used)
+                del self.sequences[oldest]
+            s = Sequence(kv=self.model.new_kv())
+            self.sequences[seq_id] = s
+        s.last_used = time.monotonic()
+        return s
+
+    def release(self, seq_id: str) -> None:
+        self.sequences.pop(seq_id, None)
+
+    def cached_tokens(self, seq_id: str) -> list[int]:
+        s = self.sequences.get(seq_id)
+        return list(s.tokens) if s else []
+
+    def truncate(self, seq_id: str, length: int) -> None:
+        s = self.sequences.get(seq_id)
+        if s is not None:
+            del s.tokens[length:]
+            s.scratch_end = len(s.tokens)
+
+    # -- linear extension (prefill, decode, verify) ----------------------------------------------
+    def extend(self, calls: list[ExtendCall]) -> list[torch.Tensor]:
+        """Makes each sequence's cache cover ``tokens`` and returns [n_logits, V] float32 logits."""
+        batch, wants = [], []
+        for c in calls:
+            if not c.tokens:
+                raise ValueError("tokens must not be empty")
+            if len(c.tokens) > self.max_len:
+                raise ValueError(f"sequence length {len(c.tokens)} exceeds the engine's max_len {self.max_len}")
+            s = self._seq(c.seq_id)
+            n_logits = max(1, min(c.n_logits, len(c.tokens)))
+            start = min(common_prefix(s.tokens, c.tokens), len(c.tokens) - n_logits)
+            new = c.tokens[start:]
+            n_real = len(new)
+            pad = self.step_rows - n_real if 0 < n_real <= self.step_rows else 0
+            # Padding rows repeat the last token at later positions; their K/V land in slots past
+            # the committed length and are never seen by real rows (causality), then forgotten.
+            toks = torch.tensor(new + [new[-1]] * pad, dtype=torch.long)
+            pos = torch.arange(start, start + n_real + pad, dtype=torch.long)
+            logits_from = 0 if pad else n_real - n_logits
+            batch.append(RowBatch(toks, pos, s.kv, start, None, logits_from))
+            wants.append((s, c.tokens, n_real, n_logits, logits_from))
+        out = self.model.forward(batch, exact=self.exact)
+        result = []
+        for logits, (s, tokens, n_real, n_logits, logits_from) in zip(out, wants):
+            s.tokens = list(tokens)
+            s.scratch_end = len(tokens)
+            first = n_real - n_logits - logits_from
+            result.append(logits[first:first + n_logits])
+        return result
+
+    # -- tree rows (speculation branches) ------------------------------------------------------------
+    def tree(self, calls: list[TreeCall]) -> list[tuple[torch.Tensor, list[int]]]:
+        """Runs branch rows in scratch slots. Returns per call the logits of its rows and the slots
+        they occupy (row ids for later ``parents`` are these slots)."""
+        batch, slots_out = [], []
+        for c in calls:
+            s = self._seq(c.seq_id)
+            start, n = s.scratch_end, len(c.tokens)
+            visible = torch.zeros(n, start + n, dtype=torch.bool)
+            if start == len(s.tokens):  # a fresh tree
+                s.tree_parent.clear()
+                s.tree_prefix.clear()
+            parent_of, root_prefix = s.tree_parent, s.tree_prefix
+            for i in range(n):
+                slot = start + i
+                parent_of[slot] = c.parents[i]
+                root_prefix[slot] = c.prefix_lens[i] if c.parents[i] < 0 else root_prefix[c.parents[i]]
+                node = slot
+                while node >= 0:
+                    visible[i, node] = True
+                    node = parent_of[node]
+                visible[i, : root_prefix[slot]] = True
+            batch.append(RowBatch(torch.tensor(c.tokens, dtype=torch.long),
+                                  torch.tensor(c.positions, dtype=torch.long), s.kv, start, visible, 0))
+            slots_out.append(list(range(start, start + n)))
+            s.scratch_end = start + n
+        out = self.model.forward(batch, exact=False)
+        return list(zip(out, slots_out))
+
+    def commit_branch(self, seq_id: str, prefix_len: int, slots: list[int], tokens: list[int]) -> None:
+        """Makes a tree branch (its rows in ``slots``, holding ``tokens``) part of the committed
+        sequence after the first ``prefix_len`` tokens, without recomputing it."""
+        s = self.sequences[seq_id]
+        s.kv.move_slots(slots, prefix_len)
+        s.tokens = s.tokens[:prefix_len] + list(tokens)
+        s.scratch_end = len(s.tokens)

@@ -1,0 +1,186 @@
+"""A lean Llama / Qwen2 decoder forward (gpt-fast style), written for speculative decoding.
+
+Why not transformers' forward: speculation needs three things it does not give cheaply: rows that
+attend to a tree of branches over one shared prefix, a KV cache we can roll back and copy rows
+within, and results that do not depend on how many rows share a forward (greedy SD must equal AR
+token for token). The projections and the MLP run as one GEMM over every row of every sequence
+in the batch; attention runs per sequence (and, in exact mode, per row, over exactly the keys the
+row may see, so its reductions have the same length whichever way the row was scheduled).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .kv_cache import SequenceKV
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    max_position: int
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        rope = cfg.get("rope_parameters") or {}
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            intermediate_size=cfg["intermediate_size"],
+            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position=int(cfg.get("max_position_embeddings", 32768)),
+        )
+
+
+@dataclass
+class RowBatch:
+    """The new rows of one sequence in a forward.
+
+    Rows are written to KV slots ``start .. start+n-1`` of ``kv``. ``positions`` are their RoPE
+    positions (differ from slots for branches of a tree). ``visible`` is None for a plain causal
+    chunk (row i sees slots 0..start+i), else a bool mask [n, start+n] over slots.
+    """
+
+    tokens: torch.Tensor  # [n] int64
+    positions: torch.Tensor  # [n] int64
+    kv: SequenceKV
+    start: int
+    visible: torch.Tensor | None = None
+    logits_from: int = 0  # logits are returned for rows logits_from..n-1
+
+
+class Transformer:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
+        self.config = config
+        self.dtype = dtype
+        w = {k: v.to(dtype).contiguous() for k, v in weights.items()}
+        self.embed = w["model.embed_tokens.weight"]
+        self.norm = w["model.norm.weight"]
+        self.lm_head = w.get("lm_head.weight", self.embed) if not config.tie_word_embeddings else self.embed
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            # q, k and v fused into one GEMM: one pass over the activations instead of three.
+            qkv_w = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])
+            qkv_b = None
+            if a + "q_proj.bias" in w:
+                qkv_b = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
+            gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
+            self.layers.append(dict(
+                ln1=w[p + "input_layernorm.weight"], ln2=w[p + "post_attention_layernorm.weight"],
+                qkv_w=qkv_w, qkv_b=qkv_b, o=w[a + "o_proj.weight"],
+                gate_up=gate_up, down=w[p + "mlp.down_proj.weight"],
+            ))
+        c = config
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+        self._inv_freq = inv
+        self.scale = 1.0 / math.sqrt(c.head_dim)
+
+    def new_kv(self, capacity: int = 256) -> SequenceKV:
+        c = self.config
+        return SequenceKV(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, capacity)
+
+    # -- pieces ---------------------------------------------------------------------------------
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_eps)
+        return (xf.to(self.dtype)) * w
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self._inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos(), emb.sin()
+
+    @staticmethod
+    def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [heads, n, d]; rotate-half convention of HF Llama/Qwen2.
+        xf = x.float()
+        half = xf.shape[-1] // 2
+        rot = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+        return (xf * cos + rot * sin).to(x.dtype)
+
+    def _attend(self, q: torch.Tensor, rb: RowBatch, layer: int, exact: bool) -> torch.Tensor:
+        """q: [H, n, D] -> [n, H*D]. Keys/values of the new rows are already in the cache."""
+        c = self.config
+        n = q.shape[1]
+        k_all, v_all = rb.kv.keys(layer, rb.start + n), rb.kv.values(layer, rb.start + n)
+        group = c.num_heads // c.num_kv_heads
+        if group > 1:
+            k_all = k_all.repeat_interleave(group, dim=0)
+            v_all = v_all.repeat_interleave(group, dim=0)
+        if rb.visible is None and exact:
+            outs = []
+            for i in range(n):
+                end = rb.start + i + 1
+                s = torch.matmul(q[:, i:i + 1].float(), k_all[:, :end].float().transpose(1, 2)) * self.scale
+                outs.append(torch.matmul(torch.softmax(s, dim=-1), v_all[:, :end].float()))
+            o = torch.cat(outs, dim=1)
+        else:
+            if rb.visible is None:
+                mask = torch.ones(n, rb.start + n, dtype=torch.bool).tril(rb.start)
+            else:
+                mask = rb.visible
+            s = torch.matmul(q.float(), k_all.float().transpose(1, 2)) * self.scale
+            s = s.masked_fill(~mask[None], float("-inf"))
+            o = torch.matmul(torch.softmax(s, dim=-1), v_all.float())
+        return o.to(self.dtype).transpose(0, 1).reshape(n, c.num_heads * c.head_dim)
+
+    # -- the forward ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, batch: list[RowBatch], exact: bool = False) -> list[torch.Tensor]:
+        """Runs the rows of every sequence; writes their K/V; returns float32 logits per sequence."""
+        c = self.config
+        sizes = [rb.tokens.numel() for rb in batch]
+        for rb, n in zip(batch, sizes):
+            rb.kv.reserve(rb.start + n)
+        tokens = torch.cat([rb.tokens for rb in batch])
+        positions = torch.cat([rb.positions for rb in batch])
+        cos, sin = self._rope(positions)
+        x = F.embedding(tokens, self.embed)
+        hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
+        for li, L in enumerate(self.layers):
+            h = self._rms(x, L["ln1"])
+            qkv = F.linear(h, L["qkv_w"], L["qkv_b"])
+            q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+            attn_out = []
+            off = 0
+            for rb, n in zip(batch, sizes):
+                sl = slice(off, off + n)
+                qi = self._apply_rope(q[sl].view(n, hq, d).transpose(0, 1), cos[sl], sin[sl])
+                ki = self._apply_rope(k[sl].view(n, hk, d).transpose(0, 1), cos[sl], sin[sl])
+                rb.kv.write(li, rb.start, ki, v[sl].view(n, hk, d).transpose(0, 1))
+                attn_out.append(self._attend(qi, rb, li, exact))
+                off += n
+            x = x + F.linear(torch.cat(attn_out), L["o"])
+            h = self._rms(x, L["ln2"])
+            gate, up = F.linear(h, L["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, L["down"])
+        # Only the rows that need logits go through the (large) output projection.
+        keep, off = [], 0
+        for rb, n in zip(batch, sizes):
+            keep.append(torch.arange(off + rb.logits_from, off + n))
+            off += n
+        rows = torch.cat(keep)
+        logits = F.linear(self._rms(x[rows], self.norm), self.lm_head).float()
+        return list(logits.split([n - rb.logits_from for rb, n in zip(batch, sizes)]))

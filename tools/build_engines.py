@@ -1,0 +1,66 @@
+"""Builds every engine an engines/<profile>.yaml names (the CPU torch path).
+
+For each engine: fetch + verify its source checkpoint (tools/fetch_weights.py), then convert it once
+into engines/<name>/ (tools/convert_gguf.py). Idempotent: an engine folder whose engine.json records
+the same source checksum, dtype and layer count is left alone.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).parent))
+from convert_gguf import convert  # noqa: E402
+from fetch_weights import ChecksumError, fetch  # noqa: E402
+
+
+def engine_is_current(folder: Path, sha: str, dtype: str, keep_layers: int) -> bool:
+    meta = folder / "engine.json"
+    if not (meta.exists() and (folder / "model.safetensors").exists()):
+        return False
+    m = json.loads(meta.read_text())
+    return m.get("source_sha256") == sha and m.get("dtype") == dtype and m.get("keep_layers", 0) == keep_layers
+
+
+def build(config: Path, out_root: Path, cache: Path, dtype_override: str | None = None) -> list[Path]:
+    cfg = yaml.safe_load(config.read_text())
+    built = []
+    engines = cfg["engines"]
+    for i, (name, spec) in enumerate(engines.items(), 1):
+        src = cfg["sources"][spec["source"]]
+        dtype = dtype_override or spec.get("dtype", "bfloat16")
+        keep = int(spec.get("keep_layers", 0))
+        folder = out_root / name
+        print(f"[build] engine {i}/{len(engines)}: {name} ({spec['role']}, {dtype})", flush=True)
+        if engine_is_current(folder, src["sha256"], dtype, keep):
+            print(f"[build] {folder} is up to date, nothing to do", flush=True)
+        else:
+            gguf = fetch(src, cache)
+            convert(gguf, folder, dtype, spec["role"], src["sha256"], keep)
+        built.append(folder)
+    return built
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--config", type=Path, default=Path("engines/default.yaml"))
+    ap.add_argument("--out", type=Path, default=Path("engines"))
+    ap.add_argument("--cache", type=Path, default=Path("engines/.cache"))
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], help="override every engine's dtype")
+    a = ap.parse_args()
+    t0 = time.time()
+    try:
+        build(a.config, a.out, a.cache, a.dtype)
+    except ChecksumError as e:
+        print(f"[build] ERROR: {e}", file=sys.stderr)
+        sys.exit(3)
+    print(f"[build] done in {time.time() - t0:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
