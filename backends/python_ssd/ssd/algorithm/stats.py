@@ -28,6 +28,7 @@ class RequestStats:
     decode_s: float = 0.0
     new_tokens: int = 0
     backup_reasons: Counter = field(default_factory=Counter)
+    last_policy_reason: str = ""
 
     def record_round(self, produced: int, source: str) -> None:
         self.rounds += 1
@@ -71,6 +72,7 @@ class RequestStats:
             "e_miss": round(e_miss, 4),
             "backup_used": dict(Counter(s for s in self.source_per_round if s in ("neural", "fast"))),
             "backup_reasons": dict(self.backup_reasons),
+            "last_policy_reason": self.last_policy_reason,
             "t_verify_ms": round(1000 * t_v, 2),
             "t_p": round(t_p, 4),
             "t_b": round(t_b, 4),

@@ -130,8 +130,13 @@ class Generation:
 
     async def _backup(self, prefix, fanout) -> tuple[DraftResult, str]:
         pol = self.shared.policy
-        kind, reason = pol.choose(self.shared.active) if self.cfg.backup == "auto" else (self.cfg.backup, "request")
-        self.stats.backup_reasons[reason.split(" rate")[0]] += 1
+        if self.cfg.backup == "auto":
+            kind, reason = pol.choose(self.shared.active)
+            why = "forced by config" if pol.forced else "policy"
+        else:
+            kind, reason, why = self.cfg.backup, "requested", "request"
+        self.stats.backup_reasons[f"{kind}: {why}"] += 1
+        self.stats.last_policy_reason = reason
         call = self._draft_call(prefix, fanout, self.cfg.saguaro_c)
         if kind == "fast":
             d, dt = await _timed(self.c.fast_draft(call))

@@ -72,7 +72,14 @@ class FetchCall:
     key: tuple[int, int]
 
 
-CALLS = {"verify": VerifyCall, "draft": DraftCall, "speculate": SpeculateCall, "fetch": FetchCall}
+@dataclass
+class ReleaseCall:
+    seq_id: str
+
+
+# "fast_draft" is a DraftCall sent to the fast backup's process
+CALLS = {"verify": VerifyCall, "draft": DraftCall, "fast_draft": DraftCall, "speculate": SpeculateCall,
+         "fetch": FetchCall, "release": ReleaseCall}
 
 
 def encode_call(op: str, call) -> tuple[bytes, torch.Tensor | None]:
@@ -101,6 +108,8 @@ def decode_call(payload: bytes, probs: torch.Tensor | None):
 
 
 def encode_result(result) -> tuple[bytes, torch.Tensor | None]:
+    if result is None:
+        return b"{}", None
     if isinstance(result, SpeculateResult):
         d = {"branches": [[k, t, toks] for (k, t), toks in result.branches.items()]}
         return json.dumps(d).encode(), None
@@ -113,6 +122,8 @@ def decode_result(op: str, payload: bytes, probs: torch.Tensor | None):
     d = json.loads(payload)
     if op == "verify":
         return VerifyResult(**d)
+    if op == "release":
+        return None
     if op == "speculate":
         return SpeculateResult({(k, t): toks for k, t, toks in d["branches"]})
     return DraftResult(d["tokens"], probs if probs is not None and probs.numel() else None)

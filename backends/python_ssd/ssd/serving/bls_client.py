@@ -1,0 +1,58 @@
+"""A WorkerClient over Triton BLS: each call is an async inference request to an engine model.
+
+The orchestrator awaits verify and speculate together, so the two engine processes work at once.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+from ..workers.protocol import (DraftCall, DraftResult, FetchCall, ReleaseCall, SpeculateCall, SpeculateResult,
+                                VerifyCall, VerifyResult, decode_result, encode_call)
+
+
+class EngineCallError(RuntimeError):
+    pass
+
+
+class BLSClient:
+    def __init__(self, target: str = "target", drafter: str = "drafter_primary", backup: str = "drafter_backup"):
+        self.models = {"target": target, "drafter": drafter, "backup": backup}
+
+    async def _call(self, model: str, op: str, call):
+        payload, probs = encode_call(op, call)
+        inputs = [pb_utils.Tensor("request", np.array([[payload]], dtype=np.object_))]
+        if probs is not None:
+            inputs.append(pb_utils.Tensor("probs", probs.numpy().astype(np.float32)[None]))
+        req = pb_utils.InferenceRequest(model_name=self.models[model], inputs=inputs,
+                                        requested_output_names=["response", "probs"])
+        resp = await req.async_exec()
+        if resp.has_error():
+            raise EngineCallError(f"{self.models[model]}.{op}: {resp.error().message()}")
+        out = pb_utils.get_output_tensor_by_name(resp, "response").as_numpy().reshape(-1)[0]
+        p = pb_utils.get_output_tensor_by_name(resp, "probs")
+        arr = p.as_numpy()[0] if p is not None else None
+        return decode_result(op, out, torch.from_numpy(arr.copy()) if arr is not None and arr.size else None)
+
+    async def verify(self, call: VerifyCall) -> VerifyResult:
+        return await self._call("target", "verify", call)
+
+    async def draft(self, call: DraftCall) -> DraftResult:
+        return await self._call("drafter", "draft", call)
+
+    async def speculate(self, call: SpeculateCall) -> SpeculateResult:
+        return await self._call("drafter", "speculate", call)
+
+    async def fetch(self, call: FetchCall) -> DraftResult:
+        return await self._call("drafter", "fetch", call)
+
+    async def fast_draft(self, call: DraftCall) -> DraftResult:
+        return await self._call("backup", "fast_draft", call)
+
+    async def release(self, seq_id: str) -> None:
+        for model in ("target", "drafter", "backup"):
+            try:
+                await self._call(model, "release", ReleaseCall(seq_id))
+            except EngineCallError:
+                pass  # an engine that lost the sequence has nothing to free

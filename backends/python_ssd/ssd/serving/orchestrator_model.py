@@ -1,0 +1,127 @@
+"""The `ssd` model: a decoupled, async orchestrator speaking Triton's generate extension.
+
+Each request becomes one task: tokenize, run the chosen decoding loop (ar | sd | ssd) against the
+engine models over BLS, stream text deltas (or send one final response), attach statistics, free the
+engines' state. Requests run concurrently; the engines batch what arrives together.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from ..algorithm.policy import BackupPolicy
+from ..decoding.generator import DecodeConfig, Generation, SharedState
+from ..decoding.stopping import StopChecker
+from ..decoding.text import TextCodec
+from .bls_client import BLSClient
+from .metrics import Metrics
+from .request_io import parse_request
+from .roles import resolve_engine_dir
+
+
+def _p(params: dict[str, str], key: str, default: str) -> str:
+    return params.get(key) or default
+
+
+class OrchestratorModel:
+    def __init__(self, config: dict, params: dict[str, str]):
+        self.codec = TextCodec(resolve_engine_dir(params["tokenizer"]))
+        self.defaults = DecodeConfig(
+            mode=_p(params, "default_mode", "ssd"), k=int(_p(params, "num_draft_tokens", "4")),
+            fanout_budget=int(_p(params, "fanout_budget", "8")), fanout_shape=_p(params, "fanout_shape", "geometric"),
+            saguaro_c=float(_p(params, "saguaro_c", "1.0")), backup=_p(params, "backup", "auto"))
+        self.defaults.validate()
+        forced = _p(params, "force_backup", "")
+        self.shared = SharedState(policy=BackupPolicy(forced=forced or None))
+        self.default_max_tokens = int(_p(params, "default_max_tokens", "128"))
+        self.max_tokens_limit = int(_p(params, "max_tokens_limit", "2048"))
+        self.max_seq_len = int(_p(params, "max_seq_len", "4096"))
+        self.max_active = int(_p(params, "max_active_requests", "32"))
+        self.client = BLSClient()
+        self.metrics = Metrics()
+        self.active = 0
+
+    # -- helpers ----------------------------------------------------------------------------------
+    @staticmethod
+    def _response(text: str, ids: list[int], finish: str | None = None, stats: dict | None = None):
+        outs = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+                pb_utils.Tensor("output_ids", np.array(ids, dtype=np.int32))]
+        if finish is not None:
+            outs.append(pb_utils.Tensor("finish_reason", np.array([finish.encode()], dtype=np.object_)))
+        if stats is not None:
+            outs.append(pb_utils.Tensor("stats", np.array([json.dumps(stats).encode()], dtype=np.object_)))
+        return pb_utils.InferenceResponse(output_tensors=outs)
+
+    @staticmethod
+    def _error(sender, msg: str) -> None:
+        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(msg)),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    # -- the request loop ---------------------------------------------------------------------------
+    async def execute(self, requests):
+        await asyncio.gather(*(self._handle(r) for r in requests))
+
+    async def _handle(self, request) -> None:
+        sender = request.get_response_sender()
+        try:
+            req = parse_request(request, self.defaults, self.default_max_tokens, self.max_tokens_limit)
+            prompt = self.codec.encode_prompt(req.text, req.apply_chat_template)
+            if len(prompt) + req.max_tokens > self.max_seq_len:
+                raise ValueError(f"input 'max_tokens': prompt ({len(prompt)} tokens) + max_tokens ({req.max_tokens}) "
+                                 f"exceeds the maximum sequence length {self.max_seq_len}")
+        except ValueError as e:
+            self.metrics.request_done("invalid", "invalid", None, None)
+            self._error(sender, str(e))
+            return
+        if self.active >= self.max_active:
+            self.metrics.busy()
+            self._error(sender, f"server busy: {self.active} requests decoding (max_active_requests="
+                                f"{self.max_active}); retry later")
+            return
+        self.active += 1
+        self.metrics.set_active(self.active)
+        seq_id = uuid.uuid4().hex
+        gen = Generation(self.client, seq_id, prompt, req.params, req.seed, req.decode, self.shared)
+        checker = StopChecker(self.codec.decode, req.max_tokens, self.codec.eos_ids, req.stop)
+        status, sent_ids = "ok", 0
+        try:
+            agen = gen.run()
+            try:
+                async for block in agen:
+                    done = checker.push(block)
+                    if request.is_cancelled():
+                        status = "cancelled"
+                        break
+                    if req.stream and not done:
+                        delta = checker.delta()
+                        if delta:
+                            sender.send(self._response(delta, checker.tokens[sent_ids:]))
+                            sent_ids = len(checker.tokens)
+                    if done:
+                        break
+            finally:
+                await agen.aclose()
+            stats = gen.stats.to_dict()
+            stats["b_star"] = self.shared.policy.b_star()
+            if status == "cancelled":
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            else:
+                text = checker.delta() if req.stream else checker.text
+                ids = checker.tokens[sent_ids:] if req.stream else checker.tokens
+                sender.send(self._response(text, ids, checker.finish_reason or "length", stats),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            self.metrics.request_done(req.decode.mode, status, stats, stats["b_star"])
+        except Exception as e:  # noqa: BLE001 - an engine failure ends this request, not the server
+            self.metrics.request_done(req.decode.mode, "error", None, None)
+            self._error(sender, f"generation failed: {type(e).__name__}: {e}")
+        finally:
+            self.active -= 1
+            self.metrics.set_active(self.active)
+            await self.client.release(seq_id)
+
+    def finalize(self):
+        pass

@@ -1,0 +1,47 @@
+"""Picks the serving class for a model from its config's `role` parameter.
+
+Process set-up (threads, core pinning) happens here, before torch spins up its thread pool, so
+each engine really runs on its own "device" (one core each by default on CPU).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+
+def model_parameters(model_config: dict) -> dict[str, str]:
+    return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+
+
+def pin_process(threads: str, cores: str) -> None:
+    if threads:
+        os.environ["OMP_NUM_THREADS"] = threads
+    if cores:
+        wanted = {int(c) for c in cores.replace(" ", "").split(",") if c != ""}
+        usable = wanted & os.sched_getaffinity(0)
+        if usable:  # silently keep the default on machines with fewer cores
+            os.sched_setaffinity(0, usable)
+
+
+def create_model(args: dict):
+    config = json.loads(args["model_config"])
+    params = model_parameters(config)
+    role = params.get("role", "")
+    pin_process(params.get("threads", ""), params.get("cores", ""))
+    if role == "orchestrator":
+        from .orchestrator_model import OrchestratorModel
+        return OrchestratorModel(config, params)
+    if role in ("target", "drafter", "fast_backup"):
+        from .engine_model import EngineModel
+        return EngineModel(config, params, role)
+    raise ValueError(f"model {config.get('name')}: parameter 'role' must be orchestrator, target, drafter "
+                     f"or fast_backup, got {role!r}")
+
+
+def resolve_engine_dir(name: str) -> str:
+    """Engine folders are named relative to SSD_ENGINE_ROOT (set by the launcher) or <repo>/engines."""
+    if os.path.isabs(name):
+        return name
+    root = os.environ.get("SSD_ENGINE_ROOT") or os.path.join(
+        os.path.dirname(os.path.realpath(__file__)), "..", "..", "..", "..", "engines")
+    return os.path.normpath(os.path.join(root, name))
