@@ -51,12 +51,17 @@ def prepare_backend_dir(build: Path) -> Path:
     py = out / "python"
     py.mkdir(parents=True, exist_ok=True)
     src = bundled / "backends" / "python" if bundled else Path("/opt/tritonserver/backends/python")
-    for f in src.iterdir():
-        if f.is_file():
-            shutil.copy2(f, py / f.name)
+    files = [f for f in src.iterdir() if f.is_file()]
     if bundled:
         ver = f"{sys.version_info.major}.{sys.version_info.minor}"
-        shutil.copy2(bundled / "python_backend_stubs" / ver / "triton_python_backend_stub", py)
+        files.append(bundled / "python_backend_stubs" / ver / "triton_python_backend_stub")
+    for f in files:
+        dst = py / f.name
+        if dst.exists() and dst.stat().st_size == f.stat().st_size:
+            continue
+        tmp = py / (f.name + ".tmp")
+        shutil.copy2(f, tmp)
+        os.replace(tmp, dst)  # atomic: a running server keeps its (identical) old file
     link = out / "python_ssd"
     if link.is_symlink() or link.exists():
         link.unlink()

@@ -4,7 +4,7 @@ The whole batch waits for any row that misses, and all b rows hit with probabili
 slow, accurate backup pays at small batch and a free, rough one at large batch. Per round we compare
 the speedup model for both kinds at the current batch size b with running estimates:
 
-    rate(kind) = [h E_hit + (1-h) E_miss(kind)] / [h max(1, T_p) + (1-h)(1 + T_b(kind))],  h = p_hit^b
+    rate(kind) = [p E_hit + (1-p) E_miss(kind)] / [h max(1, T_p) + (1-h)(1 + T_b(kind))],  h = p^b
 
 E_miss(fast) is measured for free: after every round we score what the n-gram lookup *would* have
 proposed against the tokens the target actually produced. b* is the smallest b where fast wins.
@@ -35,8 +35,11 @@ class BackupPolicy:
     t_b: dict = field(default_factory=lambda: {"neural": Ema(1.0), "fast": Ema(0.01)})
 
     def rate(self, kind: str, batch: int) -> float:
-        h = self.p_hit.value ** max(batch, 1)
-        num = h * self.e_hit.value + (1 - h) * self.e_miss[kind].value
+        """Tokens per target-verify time for one row. Its tokens depend on its own hit (p), the
+        round's length on whether *any* row missed (1 - p^b)."""
+        p = self.p_hit.value
+        h = p ** max(batch, 1)
+        num = p * self.e_hit.value + (1 - p) * self.e_miss[kind].value
         den = h * max(1.0, self.t_p.value) + (1 - h) * (1 + self.t_b[kind].value)
         return num / den
 

@@ -15,7 +15,7 @@ def candidates(depth_probs: torch.Tensor, draft: list[int], fanout: list[int]) -
     """depth_probs: [K+1, V], row k = the drafter's distribution after accepting k tokens.
     Returns the outcome keys (k, t*) to pre-draft, F_k of them per depth."""
     keys = []
-    for k, f in enumerate(fanout):
+    for k, f in enumerate(fanout[: depth_probs.shape[0]]):  # a short draft has fewer depths
         if f <= 0:
             continue
         excluded = draft[k] if k < len(draft) else None

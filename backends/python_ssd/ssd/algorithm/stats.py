@@ -29,6 +29,7 @@ class RequestStats:
     new_tokens: int = 0
     backup_reasons: Counter = field(default_factory=Counter)
     last_policy_reason: str = ""
+    degraded: str = ""  # set when a drafter failed and the request went on without it
 
     def record_round(self, produced: int, source: str) -> None:
         self.rounds += 1
@@ -73,6 +74,7 @@ class RequestStats:
             "backup_used": dict(Counter(s for s in self.source_per_round if s in ("neural", "fast"))),
             "backup_reasons": dict(self.backup_reasons),
             "last_policy_reason": self.last_policy_reason,
+            "degraded": self.degraded,
             "t_verify_ms": round(1000 * t_v, 2),
             "t_p": round(t_p, 4),
             "t_b": round(t_b, 4),

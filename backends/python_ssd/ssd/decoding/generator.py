@@ -81,6 +81,7 @@ class Generation:
         self.shared = shared or SharedState()
         self.stats = RequestStats(mode=cfg.mode, draft_len=0 if cfg.mode == "ar" else cfg.k)
         self.round = 0
+        self.drafter_ok = True
 
     def _verify(self, prefix, draft, probs=None) -> VerifyCall:
         return VerifyCall(self.seq_id, prefix, draft, self.params, self.seed, self.round, probs)
@@ -97,11 +98,13 @@ class Generation:
             self.stats.prefill_s = time.perf_counter() - t0
             prefix = self.prompt + [first.token]
             self.round += 1
+            self.stats.new_tokens = 1
             yield [first.token]
             t_dec = time.perf_counter()
             loop = {"ar": self._ar, "sd": self._sd, "ssd": self._ssd}[self.cfg.mode]
             async for block in loop(prefix):
                 self.stats.decode_s = time.perf_counter() - t_dec
+                self.stats.new_tokens += len(block)
                 yield block
         finally:
             self.shared.active -= 1
@@ -115,10 +118,30 @@ class Generation:
             prefix = prefix + [r.token]
             yield [r.token]
 
+    def _degrade(self, what: str, err: Exception) -> None:
+        """A drafter failure costs speed, never correctness: drafts come from the n-gram backup
+        (or nothing) from now on; the target alone decides every token either way."""
+        self.drafter_ok = False
+        self.stats.degraded = f"{what} failed ({type(err).__name__}: {err}); continuing without the drafter"
+
+    async def _fallback_draft(self, prefix) -> DraftResult:
+        try:
+            return await self.c.fast_draft(self._draft_call(prefix, []))
+        except Exception:  # noqa: BLE001 - no backup either: an AR step (empty draft)
+            return DraftResult([], None)
+
     async def _sd(self, prefix):
         while True:
-            d, dt = await _timed(self.c.draft(self._draft_call(prefix, [])))
-            self.stats.t_draft += dt
+            t0 = time.perf_counter()
+            try:
+                if not self.drafter_ok:
+                    raise RuntimeError("drafter unavailable")
+                d = await self.c.draft(self._draft_call(prefix, []))
+            except Exception as e:  # noqa: BLE001
+                if self.drafter_ok:
+                    self._degrade("draft", e)
+                d = await self._fallback_draft(prefix)
+            self.stats.t_draft += time.perf_counter() - t0
             r, dt = await _timed(self.c.verify(self._verify(prefix, d.tokens, d.probs)))
             self.stats.t_verify += dt
             block = d.tokens[:r.accepted] + [r.token]
@@ -138,13 +161,33 @@ class Generation:
         self.stats.backup_reasons[f"{kind}: {why}"] += 1
         self.stats.last_policy_reason = reason
         call = self._draft_call(prefix, fanout, self.cfg.saguaro_c)
+        if kind == "neural" and not self.drafter_ok:
+            kind = "fast"
+        t0 = time.perf_counter()
         if kind == "fast":
-            d, dt = await _timed(self.c.fast_draft(call))
+            d = await self._fallback_draft(prefix)
         else:
-            d, dt = await _timed(self.c.draft(call))
+            try:
+                d = await self.c.draft(call)
+            except Exception as e:  # noqa: BLE001
+                self._degrade("neural backup", e)
+                kind, d = "fast", await self._fallback_draft(prefix)
+        dt = time.perf_counter() - t0
         self.stats.t_backup += dt
         pol.t_b[kind].update(dt / max(pol_tv(self.stats), 1e-6))
         return d, kind
+
+    async def _verify_and_speculate(self, prefix, draft, spec):
+        """Both at once, in two processes. A failed speculation is a miss; a failed verify is fatal."""
+        verify_out, spec_out = await asyncio.gather(
+            _timed(self.c.verify(self._verify(prefix, draft.tokens, draft.probs))),
+            _timed(self.c.speculate(spec)), return_exceptions=True)
+        if isinstance(verify_out, BaseException):
+            raise verify_out
+        if isinstance(spec_out, BaseException):
+            self._degrade("speculate", spec_out)
+            spec_out = None
+        return verify_out, spec_out
 
     async def _ssd(self, prefix):
         cfg, est, pol = self.cfg, self.shared.estimator, self.shared.policy
@@ -154,9 +197,11 @@ class Generation:
             fanout = allocate(cfg.fanout_shape, cfg.k, cfg.fanout_budget, est)
             spec = SpeculateCall(self.seq_id, prefix, draft.tokens, cfg.k, fanout, self.params, self.seed,
                                  self.round, cfg.saguaro_c)
-            (r, tv), (s, tp) = await asyncio.gather(
-                _timed(self.c.verify(self._verify(prefix, draft.tokens, draft.probs))),
-                _timed(self.c.speculate(spec)))
+            if self.drafter_ok:
+                (r, tv), spec_out = await self._verify_and_speculate(prefix, draft, spec)
+            else:
+                (r, tv), spec_out = await _timed(self.c.verify(self._verify(prefix, draft.tokens, draft.probs))), None
+            s, tp = spec_out if spec_out is not None else (SpeculateResult({}), 0.0)
             self.stats.t_verify += tv
             self.stats.t_speculate += tp
             block = draft.tokens[:r.accepted] + [r.token]
@@ -175,18 +220,24 @@ class Generation:
             hit = key in s.branches
             est.record_lookup(fanout[r.accepted], hit)
             pol.p_hit.update(float(hit))
+            if hit:
+                self.stats.hits += 1
+            else:
+                self.stats.misses += 1
             self.round += 1
             prefix = prefix + block
             yield block
+            if hit and not self.params.greedy:
+                try:  # sampled: the verifier needs the q' rows the branch was drawn from
+                    probs = (await self.c.fetch(FetchCall(self.seq_id, key))).probs
+                except Exception as e:  # noqa: BLE001
+                    self._degrade("fetch", e)
+                    hit = False
             if hit:
-                self.stats.hits += 1
-                tokens = s.branches[key]
-                probs = None if self.params.greedy else (await self.c.fetch(FetchCall(self.seq_id, key))).probs
-                draft, source = DraftResult(tokens, probs), "cache"
+                draft, source = DraftResult(s.branches[key], None if self.params.greedy else probs), "cache"
             else:
-                self.stats.misses += 1
                 draft, source = await self._backup(prefix, fanout)
 
 
-def pol_tv(stats: RequestStats) -> float:
+def pol_tv(stats: RequestStats) -> float:  # mean verify time so far
     return stats.t_verify / stats.rounds if stats.rounds else 0.0

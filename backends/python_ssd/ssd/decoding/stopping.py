@@ -18,6 +18,7 @@ class StopChecker:
     finish_reason: str | None = None
     _text: str = ""
     _emitted: int = 0  # characters already streamed
+    _cut: int | None = None  # where a stop string starts in the decoded text
 
     def push(self, new: list[int]) -> bool:
         """Adds tokens in order until a stop condition; returns True when the output is finished."""
@@ -30,16 +31,16 @@ class StopChecker:
             self.tokens.append(t)
             if self.stop:
                 text = self.decode(self.tokens)
-                hit = [text.find(s) for s in self.stop if s and text.find(s) >= 0]
-                if hit:
-                    self._text = text[:min(hit)]
+                hits = [text.find(s) for s in self.stop if text.find(s) >= 0]
+                if hits:
+                    self._cut = min(hits)  # the stop string itself is not part of the output
                     self.finish_reason = "stop"
                     break
             if len(self.tokens) >= self.max_tokens:
                 self.finish_reason = "length"
                 break
-        if not self.finish_reason or not self._text:
-            self._text = self.decode(self.tokens) if not self._text or not self.finish_reason else self._text
+        text = self.decode(self.tokens)
+        self._text = text if self._cut is None else text[:self._cut]
         return self.finish_reason is not None
 
     @property

@@ -106,6 +106,7 @@ class OrchestratorModel:
             finally:
                 await agen.aclose()
             stats = gen.stats.to_dict()
+            stats["new_tokens"] = len(checker.tokens)  # what the client got, after stop conditions
             stats["b_star"] = self.shared.policy.b_star()
             if status == "cancelled":
                 sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

@@ -1,0 +1,27 @@
+# Two commands matter: `make serve` (set up + serve the embedded default) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test venv engines bench bench-quick loadtest clean
+
+$(STAMP): requirements.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip==24.3.1
+	$(PY) -m pip install -q -r requirements.txt
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+engines: $(STAMP)
+	PYTHON=$(PY) bash build_engines.sh --config engines/default.yaml
+
+serve: engines
+	$(PY) tools/serve.py
+
+test: $(STAMP)
+	$(PY) -m pytest -v -p no:cacheprovider tests
+
+clean:
+	rm -rf build results

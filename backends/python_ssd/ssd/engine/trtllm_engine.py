@@ -1,0 +1,221 @@
+"""The TensorRT-LLM 1.2.x engine for the target (draft_tokens_external) and drafter roles.
+
+Same contract as TorchEngine: a call names a sequence and its *full* token list. KV reuse is TRT-LLM's
+job here: with KvCacheConfig(enable_block_reuse=True) a request whose tokens start with blocks an
+earlier request left behind skips them (content-addressed, so `seq_id` is only bookkeeping and
+rejected draft tokens can never leak into a later request: their blocks hash differently).
+
+Verification is one executor request per round: input = prefix, ExternalDraftTokensConfig(draft[, q'
+as logits]), max_tokens = len(draft) + 1; TRT-LLM's external-draft-tokens layer returns the accepted
+tokens plus exactly one target token (the correction or the bonus). The target's p stays in the GPU.
+
+tensorrt_llm is imported inside the constructor, so this module imports on CPU-only machines.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..algorithm.sampling import SamplingParams, probs_from_logits
+
+NEG = -1.0e4  # "minus infinity" for draft logits: exp underflows to 0 without inf/nan in the kernels
+VERIFY_STREAM, DRAFT_STREAM = 1, 2  # same stream ids as workers/target.py and workers/drafter.py
+
+
+@dataclass
+class VerifyItem:
+    seq_id: str
+    tokens: list[int]  # verified prefix
+    draft: list[int]  # empty: an AR step / the prefill
+    params: SamplingParams
+    draft_probs: torch.Tensor | None = None  # [len(draft), V] q' rows; None: greedy or deterministic draft
+    seed: int = 0
+    round: int = 0
+    want_logits: bool = False
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def round_seed(seed: int, round_index: int, stream: int) -> int:
+    """Per-round seed for TRT-LLM's sampler (the torch path mixes the same way in round_generator)."""
+    return (seed * 1_000_003 + round_index * 8191 + stream * 131) % (2**63 - 1)
+
+
+class TrtllmEngine:
+    def __init__(self, folder: str | os.PathLike, *, timeout_s: float = 120.0):
+        try:  # lazily: importing tensorrt_llm needs CUDA and its wheels, neither exists on CPU hosts
+            import tensorrt_llm.bindings.executor as tle
+        except ImportError as e:
+            raise RuntimeError(
+                "TensorRT-LLM (tensorrt_llm 1.2.x) is not installed: TrtllmEngine runs only in the NGC "
+                "tritonserver:<ver>-trtllm-python-py3 image on a GPU. Use the torch engine (TorchEngine) "
+                f"here ({e})") from e
+        self._tle = tle
+        self.folder = Path(folder)
+        rt_path = self.folder / "runtime.json"
+        if not rt_path.exists():
+            raise FileNotFoundError(f"{rt_path} missing: build with `bash build_engines.sh --backend tensorrt_llm`")
+        self.runtime: dict[str, Any] = json.loads(rt_path.read_text())
+        rt = self.runtime
+        self.role: str = rt["role"]
+        self.max_draft_len: int = int(rt["max_draft_len"])
+        self.max_seq_len: int = int(rt["max_seq_len"])
+        self.vocab_size: int | None = rt.get("vocab_size")
+        self.eos_ids = set(rt.get("eos_token_ids", []))
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        kv = tle.KvCacheConfig(enable_block_reuse=bool(rt.get("enable_kv_cache_reuse", True)),
+                               free_gpu_memory_fraction=float(rt["kv_cache_free_gpu_mem_fraction"]))
+        # The decoding mode (external draft tokens for the target) comes from the engine's own config.
+        cfg = tle.ExecutorConfig(max_beam_width=1, kv_cache_config=kv,
+                                 enable_chunked_context=bool(rt.get("enable_chunked_context", True)))
+        engine_dir = (self.folder / rt.get("engine_dir", ".")).resolve()
+        self.executor = tle.Executor(str(engine_dir), tle.ModelType.DECODER_ONLY, cfg)
+        self._live: dict[str, int] = {}  # seq_id -> committed length, for callers that want it
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _sampling(self, params: SamplingParams, seed: int):
+        tle = self._tle
+        if params.greedy:
+            return tle.SamplingConfig(beam_width=1, top_k=1)
+        # top_p is always explicit: TRT-LLM treats top_k == 0 with top_p unset (0) as greedy
+        return tle.SamplingConfig(beam_width=1, temperature=float(params.temperature),
+                                  top_k=int(params.top_k) if params.top_k > 0 else None,
+                                  top_p=float(params.top_p), seed=seed)
+
+    def _draft_logits(self, q: torch.Tensor) -> torch.Tensor:
+        """q' rows -> logits whose softmax is q' again. TRT-LLM softmaxes draft logits as they are
+        (no temperature / top-k / top-p), so log q' keeps the accept test min(1, p/q') exact."""
+        logits = torch.log(q.float().cpu()).nan_to_num(nan=NEG, neginf=NEG).clamp_min(NEG)
+        v = self.vocab_size or logits.shape[-1]
+        if logits.shape[-1] < v:  # the engine's vocab may be padded beyond the drafter's rows
+            logits = torch.nn.functional.pad(logits, (0, v - logits.shape[-1]), value=NEG)
+        return logits.contiguous()
+
+    def _await(self, ids: list[int]) -> dict[int, Any]:
+        """Final response per request id (non-streaming requests answer once; errors raise)."""
+        done: dict[int, Any] = {}
+        pending = list(ids)
+        while pending:
+            got = self.executor.await_responses(ids=pending, timeout=self.timeout)
+            progressed = False
+            for rid, responses in zip(list(pending), got):
+                for r in responses:
+                    if r.has_error():
+                        raise RuntimeError(f"TensorRT-LLM request {rid} failed: {r.error_msg}")
+                    if r.result.is_final:
+                        done[rid] = r
+                        pending.remove(rid)
+                        progressed = True
+            if not progressed and not any(got):
+                raise TimeoutError(f"TensorRT-LLM: no response within {self.timeout} for {len(pending)} requests")
+        return done
+
+    # -- target: verification ---------------------------------------------------------------------
+    def verify_batch(self, items: list[VerifyItem]) -> list[tuple[int, int, torch.Tensor | None]]:
+        """Enqueues every item, then awaits all: in-flight batching batches them on the GPU."""
+        tle = self._tle
+        requests = []
+        for it in items:
+            if not it.tokens:
+                raise ValueError("tokens must not be empty")
+            if len(it.draft) > self.max_draft_len:
+                raise ValueError(f"draft of {len(it.draft)} tokens exceeds the engine's max_draft_len "
+                                 f"{self.max_draft_len}")
+            if len(it.tokens) + len(it.draft) + 1 > self.max_seq_len:
+                raise ValueError(f"sequence length {len(it.tokens) + len(it.draft) + 1} exceeds max_seq_len "
+                                 f"{self.max_seq_len}")
+            ext = None
+            if it.draft:
+                logits = None
+                if not it.params.greedy and it.draft_probs is not None:
+                    logits = self._draft_logits(it.draft_probs)
+                # logits None: token matching against a target sample, which is the lossless rule
+                # for a deterministic (one-hot q') draft too.
+                ext = tle.ExternalDraftTokensConfig(list(it.draft), logits=logits)
+            out_cfg = tle.OutputConfig(exclude_input_from_output=True, return_generation_logits=it.want_logits)
+            requests.append(tle.Request(
+                input_token_ids=list(it.tokens), max_tokens=len(it.draft) + 1, streaming=False,
+                sampling_config=self._sampling(it.params, round_seed(it.seed, it.round, VERIFY_STREAM)),
+                output_config=out_cfg, external_draft_tokens_config=ext))
+        ids = list(self.executor.enqueue_requests(requests))
+        responses = self._await(ids)
+        out = []
+        for it, rid in zip(items, ids):
+            res = responses[rid].result
+            new = list(res.output_token_ids[0])
+            if not new:
+                raise RuntimeError(f"TensorRT-LLM returned no token for sequence {it.seq_id}")
+            # Accepted tokens equal the draft; the one after them never does (greedy: a mismatch;
+            # sampled: the residual max(0, p - q') is 0 at a rejected token). The common prefix is
+            # therefore the accepted count even if the runtime ever returned extra tokens.
+            accepted = min(common_prefix(new, it.draft), len(new) - 1)
+            logits = None
+            if it.want_logits and res.generation_logits is not None:
+                logits = torch.as_tensor(res.generation_logits).float().cpu()[0]
+            self._live[it.seq_id] = len(it.tokens) + accepted + 1
+            out.append((accepted, int(new[accepted]), logits))
+        return out
+
+    def verify_external(self, seq_id: str, tokens: list[int], draft: list[int], params: SamplingParams, *,
+                        draft_probs: torch.Tensor | None = None, seed: int = 0, round_index: int = 0,
+                        want_logits: bool = False) -> tuple[int, int, torch.Tensor | None]:
+        """-> (accepted, target token, generation logits or None)."""
+        item = VerifyItem(seq_id, tokens, draft, params, draft_probs, seed, round_index, want_logits)
+        return self.verify_batch([item])[0]
+
+    # -- drafter ----------------------------------------------------------------------------------
+    def draft_batch(self, calls: list[tuple[str, list[int], int, SamplingParams, int, int]]
+                    ) -> list[tuple[list[int], torch.Tensor | None]]:
+        """calls: (seq_id, tokens, k, params, seed, round) -> (k tokens, q rows [k, V] or None).
+
+        q rows are probs_from_logits of the drafter's generation logits: the distribution TRT-LLM
+        sampled from (same temperature / top-k / top-p). No Saguaro reshaping on this path."""
+        tle = self._tle
+        requests = []
+        for seq_id, tokens, k, params, seed, rnd in calls:
+            if k < 1 or len(tokens) + k > self.max_seq_len:
+                raise ValueError(f"bad draft length {k} for a prefix of {len(tokens)} tokens")
+            out_cfg = tle.OutputConfig(exclude_input_from_output=True, return_generation_logits=not params.greedy)
+            # end_id -1: never stop early, the verifier expects k tokens
+            requests.append(tle.Request(input_token_ids=list(tokens), max_tokens=k, streaming=False, end_id=-1,
+                                        sampling_config=self._sampling(params, round_seed(seed, rnd, DRAFT_STREAM)),
+                                        output_config=out_cfg))
+        ids = list(self.executor.enqueue_requests(requests))
+        responses = self._await(ids)
+        out = []
+        for (seq_id, tokens, k, params, _, _), rid in zip(calls, ids):
+            res = responses[rid].result
+            toks = [int(t) for t in res.output_token_ids[0]][:k]
+            probs = None
+            if not params.greedy and res.generation_logits is not None:
+                rows = torch.as_tensor(res.generation_logits).float().cpu()[0, : len(toks)]  # [beam, n, V]
+                if self.vocab_size:
+                    rows = rows[:, : self.vocab_size]
+                probs = probs_from_logits(rows, params)
+            self._live[seq_id] = len(tokens)
+            out.append((toks, probs))
+        return out
+
+    def draft(self, seq_id: str, tokens: list[int], k: int, params: SamplingParams, *, seed: int = 0,
+              round_index: int = 0) -> tuple[list[int], torch.Tensor | None]:
+        return self.draft_batch([(seq_id, tokens, k, params, seed, round_index)])[0]
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+    def release(self, seq_id: str) -> None:
+        # Nothing to free: finished requests hand their blocks to the reuse pool, which evicts LRU.
+        self._live.pop(seq_id, None)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

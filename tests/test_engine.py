@@ -1,0 +1,116 @@
+"""The torch engine against transformers, and its KV cache against full recomputation."""
+from __future__ import annotations
+
+import torch
+
+from conftest import PROMPTS, TARGET
+
+
+def _ids(codec, i=0):
+    return codec.encode_prompt(PROMPTS[i])
+
+
+def test_logits_match_transformers(engine_root, engines, codec):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(engine_root / TARGET), dtype=torch.float32)
+    ids = _ids(codec)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    from ssd.engine.engine import ExtendCall
+
+    ours = engines["target"].extend([ExtendCall("hf", ids, n_logits=len(ids))])[0]
+    engines["target"].release("hf")
+    assert ours.shape == ref.shape
+    assert torch.allclose(ours, ref, atol=2e-4, rtol=1e-4), (ours - ref).abs().max()
+
+
+def test_kv_cached_decoding_equals_full_recompute(engines, codec):
+    from ssd.engine.engine import ExtendCall, TorchEngine
+
+    e: TorchEngine = engines["target"]
+    seq = _ids(codec, 1)
+    for _ in range(12):  # incremental greedy decoding through the cache
+        seq.append(int(e.extend([ExtendCall("inc", seq, 1)])[0][0].argmax()))
+    e.release("inc")
+    full = e.extend([ExtendCall("full", seq, n_logits=13)])[0]  # one forward, no reuse
+    e.release("full")
+    assert full[:-1].argmax(-1).tolist() == seq[-12:]
+    seq2 = _ids(codec, 1)
+    cached = []
+    for _ in range(12):
+        lg = e.extend([ExtendCall("inc2", seq2, 1)])[0][0]
+        cached.append(lg)
+        seq2.append(int(lg.argmax()))
+    e.release("inc2")
+    assert torch.allclose(torch.stack(cached), full[:-1], atol=1e-4)
+
+
+def test_rollback_and_prefix_reuse(engines, codec):
+    from ssd.engine.engine import ExtendCall
+
+    e = engines["target"]
+    ids = _ids(codec, 2)
+    base = e.extend([ExtendCall("rb", ids + [42, 43, 44], 1)])[0]
+    # a different continuation after the shared prefix: the engine must roll back 3 tokens
+    other = e.extend([ExtendCall("rb", ids + [7], 1)])[0]
+    fresh = e.extend([ExtendCall("fresh", ids + [7], 1)])[0]
+    assert e.cached_tokens("rb") == ids + [7]
+    assert torch.allclose(other, fresh, atol=1e-3)
+    assert not torch.allclose(base, other)
+    e.release("rb"), e.release("fresh")
+
+
+def test_batched_forward_equals_single(engines, codec):
+    from ssd.engine.engine import ExtendCall
+
+    e = engines["target"]
+    a, b = _ids(codec, 0), _ids(codec, 3)
+    together = e.extend([ExtendCall("ba", a, 2), ExtendCall("bb", b, 2)])
+    for s in ("ba", "bb"):
+        e.release(s)
+    alone = [e.extend([ExtendCall("sa", a, 2)])[0], e.extend([ExtendCall("sb", b, 2)])[0]]
+    for s in ("sa", "sb"):
+        e.release(s)
+    for x, y in zip(together, alone):
+        assert torch.allclose(x, y, atol=1e-4)
+
+
+def test_tree_rows_equal_linear_rows_and_commit(engines, codec):
+    """Branch rows over a shared prefix give the logits of the same tokens decoded linearly."""
+    from ssd.engine.engine import ExtendCall, TreeCall
+
+    e = engines["target"]
+    ids = _ids(codec, 4)
+    n = len(ids)
+    ext = ids + [100, 200]
+    ref = e.extend([ExtendCall("lin", ext, n_logits=3)])[0]  # logits after ids, ids+100, ids+100+200
+    e.release("lin")
+    e.extend([ExtendCall("tree", ids, 1)])
+    (l1, s1), = e.tree([TreeCall("tree", [100, 300], [n, n], [n, n], [-1, -1])])
+    (l2, s2), = e.tree([TreeCall("tree", [200], [n + 1], [0], [s1[0]])])
+    assert torch.allclose(l1[0], ref[1], atol=1e-4)
+    assert torch.allclose(l2[0], ref[2], atol=1e-4)
+    e.commit_branch("tree", n, [s1[0], s2[0]], [100, 200])
+    assert e.cached_tokens("tree") == ext
+    after = e.extend([ExtendCall("tree", ext + [5], 1)])[0]
+    fresh = e.extend([ExtendCall("fresh2", ext + [5], 1)])[0]
+    assert torch.allclose(after, fresh, atol=1e-4)
+    e.release("tree"), e.release("fresh2")
+
+
+def test_padded_steps_match_unpadded(engine_root, codec):
+    """step_rows pads short forwards to a fixed row count; padding must not change any logit."""
+    from ssd.engine.engine import ExtendCall, TorchEngine
+
+    ids = _ids(codec, 5)
+    plain = TorchEngine(engine_root / TARGET, dtype="float32", step_rows=0)
+    padded = TorchEngine(engine_root / TARGET, dtype="float32", step_rows=8)
+    sa, sb = list(ids), list(ids)
+    for _ in range(6):
+        la = plain.extend([ExtendCall("p", sa, 1)])[0][0]
+        lb = padded.extend([ExtendCall("p", sb, 1)])[0][0]
+        assert torch.allclose(la, lb, atol=1e-4)
+        sa.append(int(la.argmax()))
+        sb.append(int(lb.argmax()))
+    assert sa == sb

@@ -1,0 +1,351 @@
+"""Sampled SD and SSD emit the target's distribution: exact unit checks plus chi-square tests.
+
+* ``verify`` alone: with scripted uniforms (bisection on u finds the code's own acceptance
+  probability) and the residual it actually samples from, the emitted token's distribution is
+  computed exactly and must equal p to 1e-6, for q, Saguaro q' (C = 1, 0.5, 0) and one-hot drafts.
+* End to end: N generations of L tokens from tiny random models (tests/tiny_models.py) through the
+  real ``Generation`` loops and workers. Two Pearson chi-square goodness-of-fit tests per config:
+  - the joint law of (t1, t2) against the target's exact law, enumerated (bins with expected
+    count < 5 pooled; any token the target gives probability 0 fails at once);
+  - randomized PIT of t2..tL: U = F(t-) + V p(t) under the target's p(. | actual prefix), tokens
+    ordered by p. Under exactness the U are i.i.d. uniform, whatever the block boundaries, so this
+    also covers tokens of later rounds, where SSD drafts come from the speculation cache.
+* Negative controls: verifiers with known biases (argmax matching at temperature > 0, no residual)
+  and a drafter that reports q instead of the q' it sampled from must be rejected by the same tests
+  with the same N.
+
+False alarms: each test has level ALPHA = 0.001 (chi-square approximation); there are
+2 x len(CONFIGS) = 16 of them, so the family-wise false-alarm rate is <= 16 x 0.001 = 1.6%
+(union bound). Seeds are fixed, so CI is deterministic: the rate is about the sampling process,
+i.e. the chance that another seed choice would have flagged a correct implementation.
+"""
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "backends" / "python_ssd"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ssd.algorithm import verification  # noqa: E402
+from ssd.algorithm.sampling import SamplingParams, probs_from_logits, sample, saguaro  # noqa: E402
+from ssd.algorithm.verification import Outcome  # noqa: E402
+from ssd.decoding.generator import DecodeConfig, Generation, SharedState  # noqa: E402
+from ssd.decoding.local_client import LocalClient  # noqa: E402
+from ssd.engine.engine import ExtendCall, TorchEngine  # noqa: E402
+from ssd.workers import drafter as drafter_mod, target as target_mod  # noqa: E402
+from ssd.workers.drafter import DrafterWorker  # noqa: E402
+from ssd.workers.fast_backup import NgramWorker  # noqa: E402
+from ssd.workers.target import TargetWorker  # noqa: E402
+from tiny_models import load_weights, make_tiny_engine  # noqa: E402
+
+ALPHA = 1e-3
+N = 1500  # generations per config
+L = 4  # tokens per generation: t1 (prefill) + t2..t4 (rounds 1-2, so cache hits are in the window)
+K = 2
+V = 16
+PROMPT = [3, 7, 1, 12]
+T1 = SamplingParams(temperature=1.0)
+TK = SamplingParams(temperature=0.7, top_p=0.9, top_k=8)
+# (mode, params, saguaro C, backup): every (C, backup) pair of SSD once, SD under both params
+CONFIGS = [("sd", T1, 1.0, "auto"), ("ssd", T1, 1.0, "neural"), ("ssd", T1, 0.5, "fast"),
+           ("ssd", T1, 0.0, "neural"), ("sd", TK, 1.0, "auto"), ("ssd", TK, 1.0, "fast"),
+           ("ssd", TK, 0.5, "neural"), ("ssd", TK, 0.0, "fast")]
+
+
+# ------------------------------------------------------------------ fixtures and helpers
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: thread pools only add overhead (and contention)
+    root = tmp_path_factory.mktemp("tiny")
+    t = make_tiny_engine(root / "target", seed=1, logit_scale=0.2)
+    d = make_tiny_engine(root / "drafter", seed=2, logit_scale=0.2, base=load_weights(t), noise=0.8)
+    # the oracle is a separate engine: fresh prefills only, so it shares no KV reuse/rollback path
+    yield {k: TorchEngine(f, dtype="float32") for k, f in (("target", t), ("drafter", d), ("oracle", t))}
+    torch.set_num_threads(threads)
+
+
+def next_probs(engine: TorchEngine, contexts: list[list[int]], params: SamplingParams, n_logits: int = 1) -> torch.Tensor:
+    """[len(contexts), n_logits, V]: p(. | each of the last n_logits prefixes), fresh prefills."""
+    out = []
+    for s in range(0, len(contexts), 64):
+        chunk = contexts[s:s + 64]
+        logits = engine.extend([ExtendCall(f"oracle-{i}", c, n_logits) for i, c in enumerate(chunk)])
+        out += [probs_from_logits(lg, params) for lg in logits]
+        for i in range(len(chunk)):
+            engine.release(f"oracle-{i}")
+    return torch.stack(out)
+
+
+def joint_truth(engine: TorchEngine, params: SamplingParams) -> np.ndarray:
+    p1 = next_probs(engine, [PROMPT], params)[0, 0]
+    p2 = next_probs(engine, [PROMPT + [a] for a in range(V)], params)[:, 0]
+    return (p1[:, None] * p2).double().numpy()
+
+
+def pooled_chisquare(observed: np.ndarray, expected: np.ndarray) -> float:
+    """Pearson chi-square p-value; bins with expected < 5 pooled into one (then into the smallest)."""
+    observed, expected = observed.ravel().astype(float), expected.ravel().astype(float)
+    if observed[expected <= 0].sum() > 0:  # a token the target can never emit
+        return 0.0
+    expected = expected * observed.sum() / expected.sum()
+    big = expected >= 5
+    obs, exp = list(observed[big]), list(expected[big])
+    rest_o, rest_e = observed[~big].sum(), expected[~big].sum()
+    if rest_e >= 5:
+        obs.append(rest_o)
+        exp.append(rest_e)
+    elif rest_e > 0:
+        i = int(np.argmin(exp))
+        obs[i] += rest_o
+        exp[i] += rest_e
+    return float(stats.chisquare(obs, exp).pvalue)
+
+
+def pit_pvalue(engine: TorchEngine, seqs: list[list[int]], params: SamplingParams, bins: int = 20) -> float:
+    p = next_probs(engine, [PROMPT + s[:-1] for s in seqs], params, n_logits=L - 1)  # rows predict t2..tL
+    toks = torch.tensor([s[1:] for s in seqs])
+    order = torch.argsort(-p, dim=-1, stable=True)
+    rank = torch.argsort(order, dim=-1).gather(-1, toks[..., None])[..., 0]
+    p_sorted = p.gather(-1, order)
+    before = (p_sorted.cumsum(-1) - p_sorted).gather(-1, rank[..., None])[..., 0]
+    p_tok = p.gather(-1, toks[..., None])[..., 0]
+    if bool((p_tok <= 0).any()):
+        return 0.0
+    jitter = torch.rand(p_tok.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    u = (before.double() + jitter * p_tok.double()).clamp(0, 1 - 1e-12)
+    counts = np.bincount((u * bins).long().numpy().ravel(), minlength=bins)
+    return pooled_chisquare(counts, np.full(bins, counts.sum() / bins))
+
+
+class BatchingClient(LocalClient):
+    """A LocalClient that runs the calls of concurrent Generations as one batched worker call per
+    (worker, method), in the event-loop thread, like the server's batcher: ~3x faster here."""
+
+    def __init__(self, *workers):
+        super().__init__(*workers)
+        self._pending: dict[tuple[int, str], tuple[object, list]] = {}
+        self._scheduled = False
+
+    async def _call(self, worker, method: str, call):
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._pending.setdefault((id(worker), method), (worker, []))[1].append((call, fut))
+        if not self._scheduled:
+            self._scheduled = True
+            loop.call_soon(self._flush, -1, 0)
+        return await fut
+
+    def _flush(self, last: int, quiet: int) -> None:
+        # wait for a few loop passes without new calls: every runnable Generation has queued by then
+        n = sum(len(items) for _, items in self._pending.values())
+        if n != last or quiet < 2:
+            asyncio.get_running_loop().call_soon(self._flush, n, quiet + 1 if n == last else 0)
+            return
+        pending, self._pending, self._scheduled = self._pending, {}, False
+        for (_, method), (worker, items) in pending.items():
+            try:
+                results = getattr(worker, method)([c for c, _ in items])
+            except Exception as e:  # surface worker errors in the Generation that made the call
+                for _, f in items:
+                    f.set_exception(e)
+                continue
+            for (_, f), r in zip(items, results):
+                f.set_result(r)
+
+
+def generate(tiny: dict, mode: str, params: SamplingParams, c: float, backup: str, seed0: int,
+             tag: str, n: int = N, width: int = 32) -> tuple[list[list[int]], list]:
+    """n generations of L tokens (seeds seed0..seed0+n-1), width of them in flight at a time."""
+    client = BatchingClient(TargetWorker(tiny["target"]), DrafterWorker(tiny["drafter"]), NgramWorker())
+    cfg = DecodeConfig(mode=mode, k=K, fanout_budget=6, saguaro_c=c, backup=backup)
+    shared = SharedState()
+
+    async def one(i: int, sem: asyncio.Semaphore):
+        async with sem:
+            g = Generation(client, f"{tag}-{i}", list(PROMPT), params, seed0 + i, cfg, shared)
+            out, it = [], g.run()
+            try:
+                async for block in it:
+                    out += block
+                    if len(out) >= L:
+                        break
+            finally:
+                await it.aclose()
+                await client.release(g.seq_id)
+            return out[:L], g.stats
+
+    async def main():
+        sem = asyncio.Semaphore(width)
+        return await asyncio.gather(*(one(i, sem) for i in range(n)))
+
+    res = asyncio.run(main())
+    return [s for s, _ in res], [st for _, st in res]
+
+
+def pvalues(tiny: dict, seqs: list[list[int]], params: SamplingParams) -> tuple[float, float]:
+    counts = np.zeros((V, V))
+    np.add.at(counts, ([s[0] for s in seqs], [s[1] for s in seqs]), 1)
+    return pooled_chisquare(counts, joint_truth(tiny["oracle"], params)), pit_pvalue(tiny["oracle"], seqs, params)
+
+
+# ------------------------------------------------------------------ unit tests
+def test_probs_from_logits_matches_reference():
+    g = torch.Generator().manual_seed(0)
+    for params in (T1, TK, SamplingParams(0.5, 0.6, 0), SamplingParams(1.3, 0.95, 3)):
+        logits = torch.randn(5, V, generator=g) * 3
+        for row, got in zip(logits.tolist(), probs_from_logits(logits, params).tolist()):
+            x = [v / params.temperature for v in row]
+            keep = sorted(range(V), key=lambda i: -x[i])[: params.top_k or V]
+            w = {i: np.exp(x[i] - max(x)) for i in keep}
+            z = sum(w.values())
+            kept, mass = [], 0.0
+            for i in sorted(w, key=lambda i: -w[i]):  # nucleus: smallest prefix reaching top_p
+                if mass >= params.top_p:
+                    break
+                kept.append(i)
+                mass += w[i] / z
+            ref = np.zeros(V)
+            ref[kept] = [w[i] for i in kept]
+            np.testing.assert_allclose(got, ref / ref.sum(), atol=1e-6)
+
+
+def test_tiny_models_are_non_degenerate(tiny):
+    for params in (T1, TK):
+        ctx = [PROMPT] + [PROMPT + [a] for a in range(V)]
+        p = next_probs(tiny["oracle"], ctx, params)[:, 0]
+        q = next_probs(tiny["drafter"], ctx, params)[:, 0]
+        ent = -(p * p.clamp_min(1e-30).log()).sum(-1)
+        assert 0.1 * np.log(V) < float(ent.mean()) < 0.95 * np.log(V), ent
+        assert float((p[1:] - p[1:].mean(0)).abs().sum(-1).mean()) > 0.2  # p depends on the context
+        acc = float(torch.minimum(p, q).sum(-1).mean())  # per-token acceptance of the drafter
+        assert 0.2 < acc < 0.8, acc
+
+
+class _ScriptedTorch:
+    """Stands in for ``torch`` inside verification: rand() returns scripted uniforms."""
+
+    def __init__(self):
+        self.us: list[float] = []
+
+    def rand(self, *args, **kwargs) -> torch.Tensor:
+        return torch.tensor(self.us.pop(0), dtype=torch.float64)
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+@pytest.mark.parametrize("params", [T1, TK], ids=["t1", "t0.7-k8-p0.9"])
+@pytest.mark.parametrize("c", [1.0, 0.5, 0.0, None], ids=["C1", "C0.5", "C0", "onehot"])
+def test_verify_emits_target_distribution_exactly(monkeypatch, params, c):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, V, generator=g) * 2  # target rows for positions 0, 1 and the bonus
+    p = probs_from_logits(logits, params).double()
+    q = probs_from_logits(logits[:2] + torch.randn(2, V, generator=g), params)  # a drafter that half agrees
+    if c is not None:  # Saguaro q' over the drafter's top-3 per row, as the drafter sends it
+        q = torch.stack([saguaro(r, torch.topk(r, 3).indices, c) for r in q])
+    scripted, sampled = _ScriptedTorch(), []
+    monkeypatch.setattr(verification, "torch", scripted)
+    monkeypatch.setattr(verification, "sample", lambda probs, gen: sampled.append(probs.double()) or -1)
+
+    def run(draft: list[int], us: list[float]) -> Outcome:
+        scripted.us, sampled[:] = list(us), []
+        return verification.verify(logits, draft, None if c is None else q[:len(draft)], params, g)
+
+    def emitted(prefix: list[int], d: int) -> torch.Tensor:
+        """Exact law of the token emitted at position len(prefix) when the prefix was accepted."""
+        j = len(prefix)
+        acc = [run(prefix + [d], [0.0] * j + [u]).accepted > j for u in np.linspace(0, 1, 65)[:-1]]
+        assert acc == sorted(acc, reverse=True), "acceptance must be a threshold on u"
+        lo, hi = 0.0, 1.0  # bisection: P(accept) = sup{u : accepted}, to 2^-50 (u=1 never drawn)
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if run(prefix + [d], [0.0] * j + [mid]).accepted > j else (lo, mid)
+        a = hi if acc[0] else 0.0
+        out = torch.zeros(V, dtype=torch.float64)
+        out[d] = a
+        last = run(prefix + [d], [0.0] * j + [np.nextafter(1.0, 0.0)])  # the largest u
+        if a < 1.0:  # rejected there: the sample taken is the residual
+            assert last.accepted == j
+            out += (1 - a) * sampled[-1]
+        else:  # accepted for sure: the next sample must be the bonus, from p[j + 1]
+            assert last.accepted == j + 1
+            torch.testing.assert_close(sampled[-1], p[j + 1], atol=1e-7, rtol=0)
+        return out
+
+    d0 = int(torch.argmax(p[0] * (1.0 if c is None else q[0].double())))  # a draft that can be accepted
+    assert p[0, d0] > 0 and (c is None or q[0, d0] > 0)
+    for prefix in ([], [d0]):  # position 0, and position 1 after accepting d0
+        j = len(prefix)
+        if c is None:  # one-hot q': each deterministic draft on its own must be exact
+            for d in range(V):
+                torch.testing.assert_close(emitted(prefix, d), p[j], atol=1e-6, rtol=0)
+        else:
+            mix = sum(float(q[j, d]) * emitted(prefix, d) for d in range(V) if q[j, d] > 0)
+            torch.testing.assert_close(mix, p[j], atol=1e-6, rtol=0)
+
+
+# ------------------------------------------------------------------ end to end
+@pytest.mark.parametrize("mode,params,c,backup", CONFIGS,
+                         ids=[f"{m}-{'t1' if p is T1 else 'tk'}-C{c}-{b}" for m, p, c, b in CONFIGS])
+def test_sampled_output_follows_target(tiny, mode, params, c, backup):
+    seed0 = 100_000 * (1 + CONFIGS.index((mode, params, c, backup)))
+    seqs, st = generate(tiny, mode, params, c, backup, seed0, tag=f"{mode}{c}{backup}")
+    # the speculative path was exercised: drafts both accepted and rejected
+    accepted = [t - 1 for s in st for t, src in zip(s.tokens_per_round, s.source_per_round) if src != "none"]
+    assert sum(a > 0 for a in accepted) > N // 10 and sum(a < K for a in accepted) > N // 10
+    if mode == "ssd":  # cache hits feed tokens in the window, and misses call the chosen backup
+        sources = [src for s in st for src in s.source_per_round]
+        assert sources.count("cache") > N // 20 and sources.count(backup) > N
+        assert sum(s.hits for s in st) > N // 20 and sum(s.misses for s in st) > N // 20
+    p_joint, p_pit = pvalues(tiny, seqs, params)
+    print(f"\n{mode} {params} C={c} {backup}: p(joint t1,t2)={p_joint:.4g} p(PIT t2..t{L})={p_pit:.4g}")
+    assert p_joint > ALPHA and p_pit > ALPHA
+
+
+def _argmax_match_verify(target_logits, draft, draft_probs, params, generator) -> Outcome:
+    """Known bug (greedy matching while sampling): accept iff the draft is the target's argmax."""
+    p = probs_from_logits(target_logits, params)
+    for j, d in enumerate(draft):
+        if d != int(p[j].argmax()):
+            return Outcome(j, sample(p[j], generator))
+    return Outcome(len(draft), sample(p[len(draft)], generator))
+
+
+def _no_residual_verify(target_logits, draft, draft_probs, params, generator) -> Outcome:
+    """Right acceptance test, but a rejection samples t* from p instead of max(0, p - q')."""
+    p = probs_from_logits(target_logits, params)
+    for j, d in enumerate(draft):
+        q_d = 1.0 if draft_probs is None else float(draft_probs[j, d])
+        if float(torch.rand((), generator=generator)) >= min(1.0, float(p[j, d]) / q_d):
+            return Outcome(j, sample(p[j], generator))
+    return Outcome(len(draft), sample(p[len(draft)], generator))
+
+
+def _pick_reporting_q(logits, params, top_f, c, g):
+    """Drafter bug: samples from Saguaro q' but reports the unshaped q to the verifier."""
+    q = probs_from_logits(logits[None], params)[0]
+    q_shaped = saguaro(q, torch.topk(q, top_f).indices, c) if c < 1.0 and top_f > 0 else q
+    return sample(q_shaped, g), q
+
+
+@pytest.mark.parametrize("bug,mode,c,backup", [("argmax-match", "sd", 1.0, "auto"),
+                                               ("no-residual", "sd", 1.0, "auto"),
+                                               ("q-not-q'", "ssd", 0.0, "neural")])
+def test_biased_sampler_is_caught(tiny, monkeypatch, bug, mode, c, backup):
+    if bug == "q-not-q'":
+        monkeypatch.setattr(drafter_mod, "_pick", _pick_reporting_q)
+    else:
+        monkeypatch.setattr(target_mod, "verify", _argmax_match_verify if bug == "argmax-match" else _no_residual_verify)
+    seqs, _ = generate(tiny, mode, T1, c, backup, seed0=5_000_000, tag=f"bug-{bug}")
+    p_joint, p_pit = pvalues(tiny, seqs, T1)
+    print(f"\nnegative control {bug}: p(joint)={p_joint:.3g} p(PIT)={p_pit:.3g}")
+    assert min(p_joint, p_pit) < ALPHA  # the same pair of tests that must pass for exact samplers

@@ -1,0 +1,193 @@
+"""A real tritonserver with the SSD models on loopback: HTTP, gRPC streaming, errors, metrics.
+
+The served greedy output must equal the in-process target's greedy output token for token, in
+every mode; bad input gets an error naming the field and the server keeps serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from conftest import PROMPTS, TARGET, WEAK
+
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def server(engine_root, tmp_path_factory):
+    from triton_launcher import TritonServer, render_repository
+
+    repo = render_repository(tmp_path_factory.mktemp("repo") / "models", {
+        "ssd": {"tokenizer": TARGET, "num_draft_tokens": "3", "fanout_budget": "6"},
+        "target": {"engine": TARGET, "cores": "0", "threads": "1", "step_rows": "8", "dtype": "float32"},
+        "drafter_primary": {"engine": TARGET, "cores": "1", "threads": "1", "dtype": "bfloat16"},
+        "drafter_backup": {"cores": "1"},
+    })
+    log = tmp_path_factory.mktemp("log") / "tritonserver.log"
+    srv = TritonServer(repo, engine_root, log_file=log)
+    srv.start(timeout=300)
+    yield srv
+    srv.stop()
+    assert srv.proc.returncode is not None
+
+
+def _post(srv, body: dict, path="generate"):
+    req = urllib.request.Request(f"http://{srv.http_url}/v2/models/ssd/{path}", data=json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.fixture(scope="module")
+def reference(engines, codec):
+    """Target-only greedy tokens, computed in-process with the same engine files."""
+    from ssd.decoding.stopping import StopChecker
+
+    e = engines["target"]
+    from ssd.engine.engine import ExtendCall
+
+    out = {}
+    for i, p in enumerate(PROMPTS[:3]):
+        seq = codec.encode_prompt(p)
+        checker = StopChecker(codec.decode, MAX_TOKENS, codec.eos_ids)
+        while True:
+            t = int(e.extend([ExtendCall(f"ref{i}", seq, 1)])[0][0].argmax())
+            seq.append(t)
+            if checker.push([t]):
+                break
+        e.release(f"ref{i}")
+        out[p] = checker.tokens
+    return out
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_http_generate_equals_in_process_greedy(server, reference, codec, mode):
+    for prompt, ref in reference.items():
+        status, body = _post(server, {"text_input": prompt, "max_tokens": MAX_TOKENS, "mode": mode})
+        assert status == 200, body
+        d = json.loads(body)
+        assert d["output_ids"] == ref, (mode, prompt)
+        assert d["text_output"] == codec.decode(ref)
+        stats = json.loads(d["stats"])
+        assert stats["mode"] == mode and stats["new_tokens"] == len(ref)
+        if mode != "ar":
+            assert stats["rounds"] >= 1 and stats["acceptance_length"] >= 1.0
+        if mode == "ssd":
+            assert stats["cache_hits"] + stats["cache_misses"] >= 1
+            assert 0.0 <= stats["p_hit"] <= 1.0
+
+
+def test_grpc_stream_equals_http(server, reference, codec):
+    import tritonclient.grpc as grpcclient
+
+    prompt, ref = next(iter(reference.items()))
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+
+    def inp(name, arr, dt):
+        t = grpcclient.InferInput(name, list(arr.shape), dt)
+        t.set_data_from_numpy(arr)
+        return t
+
+    client.async_stream_infer("ssd", [
+        inp("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
+        inp("max_tokens", np.array([MAX_TOKENS], dtype=np.int32), "INT32"),
+        inp("stream", np.array([True]), "BOOL"),
+        inp("mode", np.array([b"ssd"], dtype=np.object_), "BYTES")], enable_empty_final_response=True)
+    chunks, ids, final_stats = [], [], None
+    while True:
+        r, err = results.get(timeout=300)
+        assert err is None, err
+        t = r.as_numpy("text_output")
+        if t is not None:
+            chunks.append(t[0].decode())
+            ids += r.as_numpy("output_ids").tolist()
+        if r.as_numpy("stats") is not None:
+            final_stats = json.loads(r.as_numpy("stats")[0])
+        if r.get_response().parameters["triton_final_response"].bool_param:
+            break
+    client.stop_stream()
+    assert len(chunks) > 1, "streaming sent everything at once"
+    assert ids == ref and "".join(chunks) == codec.decode(ref)
+    assert final_stats is not None and final_stats["mode"] == "ssd"
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"max_tokens": 8}, "text_input"),
+    ({"text_input": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"text_input": "hi", "temperature": -1.0}, "temperature"),
+    ({"text_input": "hi", "top_p": 1.5}, "top_p"),
+    ({"text_input": "hi", "mode": "turbo"}, "mode"),
+    ({"text_input": "hi", "num_draft_tokens": 99}, "num_draft_tokens"),
+    ({"text_input": "hi", "saguaro_c": 2.0}, "saguaro_c"),
+    ({"text_input": "hi", "backup": "psychic"}, "backup"),
+])
+def test_bad_input_names_the_field_and_server_survives(server, body, field):
+    status, text = _post(server, body)
+    assert status == 400, text
+    assert field in text
+    ok, good = _post(server, {"text_input": "Say hi.", "max_tokens": 4, "mode": "ar"})
+    assert ok == 200 and json.loads(good)["text_output"]
+
+
+def test_bad_request_does_not_disturb_concurrent_ones(server, reference):
+    prompt, ref = next(iter(reference.items()))
+    results = {}
+
+    def good(i):
+        results[i] = _post(server, {"text_input": prompt, "max_tokens": MAX_TOKENS, "mode": "sd"})
+
+    threads = [threading.Thread(target=good, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    bad = [_post(server, {"text_input": "x", "top_k": -3}) for _ in range(3)]
+    for t in threads:
+        t.join()
+    assert all(s == 400 and "top_k" in b for s, b in bad)
+    for status, body in results.values():
+        assert status == 200 and json.loads(body)["output_ids"] == ref
+
+
+def test_stop_strings_and_generate_stream(server, reference, codec):
+    prompt, ref = next(iter(reference.items()))
+    full = codec.decode(ref)
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    status, body = _post(server, {"text_input": prompt, "max_tokens": MAX_TOKENS, "stop": [stop], "mode": "ssd"})
+    assert status == 200
+    d = json.loads(body)
+    assert d["text_output"] == full[: full.index(stop)] and d["finish_reason"] == "stop"
+    status, sse = _post(server, {"text_input": prompt, "max_tokens": MAX_TOKENS, "stream": True, "mode": "sd"},
+                        path="generate_stream")
+    assert status == 200
+    events = [json.loads(line[5:]) for line in sse.splitlines() if line.startswith("data:")]
+    assert len(events) > 1 and "".join(e["text_output"] for e in events) == full
+
+
+def test_metrics_count_requests(server):
+    with urllib.request.urlopen(f"http://{server.address}:{server.metrics_port}/metrics") as r:
+        before = r.read().decode()
+
+    def count(text, mode):
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith("ssd_requests_total{") and f'mode="{mode}"' in line and 'status="ok"' in line:
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    for _ in range(2):
+        assert _post(server, {"text_input": "Count to three.", "max_tokens": 6, "mode": "ssd"})[0] == 200
+    with urllib.request.urlopen(f"http://{server.address}:{server.metrics_port}/metrics") as r:
+        after = r.read().decode()
+    assert count(after, "ssd") - count(before, "ssd") == 2
+    for name in ("ssd_output_tokens_total", "ssd_rounds_total", "ssd_cache_lookups_total", "ssd_active_requests"):
+        assert name in after

@@ -1,0 +1,267 @@
+"""The TensorRT-LLM path without TensorRT-LLM: rendered build commands, runtime.json, backend choice,
+and the runtime engine's plumbing against a stand-in executor module. Nothing is fetched or built."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = str(ROOT / ".venv/bin/python") if (ROOT / ".venv/bin/python").exists() else sys.executable
+CONFIG = yaml.safe_load((ROOT / "engines/default.yaml").read_text())
+K = int(CONFIG["tensorrt_llm"]["max_draft_len"])
+TARGETS = [n for n, s in CONFIG["engines"].items() if s["role"] == "target"]
+DRAFTERS = [n for n, s in CONFIG["engines"].items() if s["role"] == "drafter"]
+HAS_TRTLLM = importlib.util.find_spec("tensorrt_llm") is not None
+sys.path.insert(0, str(ROOT / "backends/python_ssd"))
+sys.path.insert(0, str(ROOT / "tools"))
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(list(args), cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "PYTHON": PY})
+
+
+def build_line(out: str, name: str) -> str:
+    lines = [ln for ln in out.splitlines() if ln.strip().startswith("$ trtllm-build") and f"/{name} " in ln]
+    assert len(lines) == 1, f"expected one trtllm-build line for {name}:\n{out}"
+    return lines[0]
+
+
+def test_build_engines_trtllm_dry_run_renders_commands() -> None:
+    trt_before = (ROOT / "engines/trtllm").exists()
+    r = run("bash", "build_engines.sh", "--backend", "tensorrt_llm", "--dry-run", "--config", "engines/default.yaml")
+    assert r.returncode == 0, r.stderr
+    for name in TARGETS:
+        line = build_line(r.stdout, name)
+        assert "--speculative_decoding_mode draft_tokens_external" in line
+        assert f"--max_draft_len {K}" in line
+        assert "--gather_generation_logits" in line
+        assert "--use_paged_context_fmha enable" in line and "--kv_cache_type paged" in line
+        for flag in ("--max_batch_size", "--max_input_len", "--max_seq_len", "--max_num_tokens"):
+            assert flag in line
+    for name in DRAFTERS:
+        line = build_line(r.stdout, name)
+        assert "--speculative_decoding_mode" not in line and "--max_draft_len" not in line
+        assert "--gather_generation_logits" in line
+    assert r.stdout.count("convert_checkpoint.py") == len(CONFIG["engines"])
+    assert "--dtype bfloat16 --tp_size 1" in r.stdout
+    assert '"enable_kv_cache_reuse": true' in r.stdout
+    assert (ROOT / "engines/trtllm").exists() == trt_before  # a dry run writes nothing
+
+
+def test_dry_run_without_hf_folders(tmp_path: Path) -> None:
+    r = run("bash", "build_engines.sh", "--backend", "tensorrt_llm", "--dry-run", "--config", "engines/default.yaml",
+            "--out", str(tmp_path / "engines"))
+    assert r.returncode == 0, r.stderr
+    assert "would fetch" in r.stdout or "would convert" in r.stdout
+    assert "is missing: build_engines.sh would convert it first" in r.stdout
+    assert f"--max_draft_len {K}" in build_line(r.stdout, TARGETS[0])
+    assert not (tmp_path / "engines").exists()
+
+
+def test_print_json_plan_and_runtime_json(tmp_path: Path) -> None:
+    # an HF folder as the transformers-5 conversion writes it: rope_theta only inside rope_parameters
+    hf = tmp_path / TARGETS[0]
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": None, "vocab_size": 151936,
+                                                "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}))
+    r = run(PY, "tools/trtllm_build.py", "--config", "engines/default.yaml", "--engines-root", str(tmp_path),
+            "--out-root", str(tmp_path / "trtllm"), "--dry-run", "--print-json")
+    assert r.returncode == 0, r.stderr
+    plan = {e["name"]: e for e in json.loads(r.stdout)["engines"]}
+    target = plan[TARGETS[0]]
+    argv = target["commands"][1]
+    assert argv[0] == "trtllm-build" and argv[argv.index("--max_draft_len") + 1] == str(K)
+    rt = target["files"][str(tmp_path / "trtllm" / TARGETS[0] / "runtime.json")]
+    assert rt["enable_kv_cache_reuse"] is True and rt["max_draft_len"] == K and rt["role"] == "target"
+    assert 0 < rt["kv_cache_free_gpu_mem_fraction"] < 1 and rt["vocab_size"] == 151936
+    compat = target["files"][str(tmp_path / "trtllm/.build" / TARGETS[0] / "hf/config.json")]
+    assert compat["rope_theta"] == 1e6 and compat["architectures"] == ["Qwen2ForCausalLM"]
+    assert "rope_parameters" not in compat
+    for name in DRAFTERS:
+        assert "--speculative_decoding_mode" not in plan[name]["commands"][1]
+
+
+def test_auto_backend_picks_torch_here(tmp_path: Path) -> None:
+    if HAS_TRTLLM and shutil.which("nvidia-smi"):
+        pytest.skip("this host has TensorRT-LLM and a GPU")
+    r = run("bash", "build_engines.sh", "--backend", "auto", "--dry-run", "--config", "engines/default.yaml",
+            "--out", str(tmp_path / "engines"))
+    assert r.returncode == 0, r.stderr
+    assert "backend: torch (auto:" in r.stdout
+    assert "trtllm-build" not in r.stdout and "nothing was fetched" in r.stdout
+
+
+def test_real_build_refuses_without_tensorrt_llm(tmp_path: Path) -> None:
+    if HAS_TRTLLM or shutil.which("trtllm-build"):
+        pytest.skip("TensorRT-LLM is installed here")
+    r = run(PY, "tools/trtllm_build.py", "--config", "engines/default.yaml", "--out-root", str(tmp_path / "t"))
+    assert r.returncode == 2 and "TensorRT-LLM 1.2.x is not available" in r.stderr
+    assert not (tmp_path / "t").exists()
+
+
+def test_engine_module_imports_without_tensorrt_llm() -> None:
+    if HAS_TRTLLM:
+        pytest.skip("TensorRT-LLM is installed here")
+    from ssd.engine.trtllm_engine import TrtllmEngine
+    from ssd.workers.trtllm_target import TrtllmTargetWorker  # noqa: F401
+    assert "tensorrt_llm" not in sys.modules
+    with pytest.raises(RuntimeError, match="TensorRT-LLM"):
+        TrtllmEngine(ROOT / "engines/trtllm" / TARGETS[0])
+
+
+# -- the engine against a stand-in for tensorrt_llm.bindings.executor --------------------------------
+V = 50
+
+
+def oracle(seq: list[int]) -> int:  # the stand-in target's greedy next token
+    return (sum(seq) * 7 + len(seq)) % V
+
+
+def fake_executor_module(log: dict) -> types.ModuleType:
+    m = types.ModuleType("tensorrt_llm.bindings.executor")
+
+    class Obj:
+        def __init__(self, *args, **kw):
+            self.__dict__.update(kw)
+
+    for n in ("KvCacheConfig", "ExecutorConfig", "SamplingConfig", "OutputConfig"):
+        setattr(m, n, type(n, (Obj,), {}))
+    m.ModelType = types.SimpleNamespace(DECODER_ONLY="decoder_only")
+
+    class ExternalDraftTokensConfig(Obj):
+        def __init__(self, tokens, logits=None, acceptance_threshold=None, fast_logits=None):
+            self.tokens, self.logits = tokens, logits
+
+    class Request(Obj):
+        pass
+
+    class Executor:
+        def __init__(self, path, model_type, config):
+            log["config"], self.results = config, {}
+
+        def enqueue_requests(self, requests):
+            log.setdefault("batches", []).append(len(requests))
+            ids = []
+            for req in requests:
+                seq, new = list(req.input_token_ids), []
+                ext = getattr(req, "external_draft_tokens_config", None)
+                draft = ext.tokens if ext else []
+                log.setdefault("draft_logits", []).append(ext.logits if ext else None)
+                for d in draft:  # greedy token matching, then one target token
+                    t = oracle(seq)
+                    if t != d:
+                        break
+                    new.append(d)
+                    seq.append(d)
+                new.append(oracle(seq))
+                if not ext:  # a plain (drafter) request: max_tokens steps
+                    while len(new) < req.max_tokens:
+                        new.append(oracle(list(req.input_token_ids) + new))
+                logits = torch.randn(1, len(new), V) if req.output_config.return_generation_logits else None
+                rid = len(self.results) + 1
+                self.results[rid] = types.SimpleNamespace(is_final=True, output_token_ids=[new],
+                                                          generation_logits=logits)
+                ids.append(rid)
+            return ids
+
+        def await_responses(self, ids, timeout=None):
+            return [[types.SimpleNamespace(has_error=lambda: False, error_msg="", result=self.results[i])]
+                    for i in ids]
+
+    m.ExternalDraftTokensConfig, m.Request, m.Executor = ExternalDraftTokensConfig, Request, Executor
+    return m
+
+
+def test_engine_plumbing_with_stand_in_executor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from trtllm_build import plan_engine, settings
+
+    from ssd.algorithm.sampling import SamplingParams
+    from ssd.engine.trtllm_engine import TrtllmEngine
+    from ssd.workers.protocol import VerifyCall
+    from ssd.workers.trtllm_target import TrtllmTargetWorker
+
+    s = settings(CONFIG)
+    for role in ("target", "drafter"):  # HF folders whose vocab (64) is larger than the rows (V): padding
+        (tmp_path / role).mkdir()
+        (tmp_path / role / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": 64}))
+    plans = {r: plan_engine(r, {"role": r, "source": "qwen"}, s, tmp_path, tmp_path / "trt", "python")
+             for r in ("target", "drafter")}
+    for p in plans.values():
+        p.engine_dir.mkdir(parents=True)
+        (p.engine_dir / "runtime.json").write_text(json.dumps(p.files[str(p.engine_dir / "runtime.json")]))
+    log: dict = {}
+    fake = fake_executor_module(log)
+    pkg = types.ModuleType("tensorrt_llm")
+    pkg.bindings = types.ModuleType("tensorrt_llm.bindings")
+    pkg.bindings.executor = fake
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", pkg)
+    monkeypatch.setitem(sys.modules, "tensorrt_llm.bindings", pkg.bindings)
+    monkeypatch.setitem(sys.modules, "tensorrt_llm.bindings.executor", fake)
+
+    worker = TrtllmTargetWorker(TrtllmEngine(plans["target"].engine_dir))
+    assert log["config"].kv_cache_config.enable_block_reuse is True
+    prefix = [3, 1, 4]
+    good = [oracle(prefix)]
+    good.append(oracle(prefix + good))
+    bad = [(oracle(prefix) + 1) % V, 9]
+    q = torch.softmax(torch.randn(2, V), -1)
+    calls = [VerifyCall("a", prefix, good), VerifyCall("b", prefix, bad), VerifyCall("c", prefix, []),
+             VerifyCall("d", prefix, bad, SamplingParams(temperature=0.8), draft_probs=q)]
+    res = worker.verify(calls)
+    assert log["batches"] == [4]  # enqueued together, answered together
+    assert (res[0].accepted, res[0].token) == (2, oracle(prefix + good))
+    assert (res[1].accepted, res[1].token) == (0, oracle(prefix))
+    assert (res[2].accepted, res[2].token) == (0, oracle(prefix))
+    sent = log["draft_logits"][3]  # q' travels as logits whose softmax is q' again
+    assert sent.shape == (2, 64) and torch.allclose(torch.softmax(sent, -1)[:, :V], q, atol=1e-5)
+    assert log["draft_logits"][0] is None  # greedy: token matching, no logits
+
+    drafter = TrtllmEngine(plans["drafter"].engine_dir)
+    toks, probs = drafter.draft("a", prefix, 3, SamplingParams(temperature=1.0))
+    assert len(toks) == 3 and probs.shape == (3, V) and torch.allclose(probs.sum(-1), torch.ones(3))
+    toks, probs = drafter.draft("a", prefix, 2, SamplingParams())
+    assert toks == good and probs is None
+    with pytest.raises(ValueError, match="target"):
+        TrtllmTargetWorker(drafter)
+
+
+def test_build_runs_with_stand_in_toolchain(tmp_path: Path) -> None:
+    """The non-dry path (staging, commands, runtime.json, up-to-date check) with stand-in tools."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "site/tensorrt_llm").mkdir(parents=True)
+    (tmp_path / "site/tensorrt_llm/__init__.py").write_text("")
+    tool = tmp_path / "bin/trtllm-build"
+    tool.write_text('#!/bin/bash\nwhile [[ $# -gt 0 ]]; do [[ $1 == --output_dir ]] && o=$2; shift; done\n'
+                    'mkdir -p "$o" && echo e > "$o/rank0.engine"\n')
+    tool.chmod(0o755)
+    script = tmp_path / "ex/models/core/qwen/convert_checkpoint.py"
+    script.parent.mkdir(parents=True)
+    script.write_text("import json, os, sys\na = sys.argv\nmd = a[a.index('--model_dir') + 1]\n"
+                      "assert json.load(open(md + '/config.json'))['rope_theta'] == 1e6\n"
+                      "assert os.path.islink(md + '/model.safetensors')\n"
+                      "os.makedirs(a[a.index('--output_dir') + 1], exist_ok=True)\n")
+    for name in CONFIG["engines"]:
+        (tmp_path / "eng" / name).mkdir(parents=True)
+        (tmp_path / "eng" / name / "config.json").write_text(json.dumps(
+            {"model_type": "qwen2", "vocab_size": 64, "rope_parameters": {"rope_theta": 1e6}}))
+        (tmp_path / "eng" / name / "model.safetensors").write_text("x")
+    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "PYTHONPATH": str(tmp_path / "site"),
+           "TRTLLM_EXAMPLES_DIR": str(tmp_path / "ex")}
+    cmd = [PY, "tools/trtllm_build.py", "--engines-root", str(tmp_path / "eng"), "--out-root", str(tmp_path / "t")]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for name in CONFIG["engines"]:
+        rt = json.loads((tmp_path / "t" / name / "runtime.json").read_text())
+        assert rt["enable_kv_cache_reuse"] is True and (tmp_path / "t" / name / "rank0.engine").exists()
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.count("is up to date") == len(CONFIG["engines"])

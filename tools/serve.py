@@ -1,0 +1,73 @@
+"""`make serve`: build the engines if missing, start tritonserver with the SSD models, wait.
+
+Prints the endpoints and an example request once every model is READY; Ctrl-C stops Triton and its
+model processes. On CPU the target gets core 0 and the drafter core 1 (one thread each), which is
+the paper's "own device per model" protocol on this machine; override with --target-cores etc.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).parent))
+from triton_launcher import REPO, TritonServer, render_repository  # noqa: E402
+
+
+def engines_by_role(config: Path) -> dict[str, str]:
+    cfg = yaml.safe_load(config.read_text())
+    return {spec["role"]: name for name, spec in cfg["engines"].items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--config", type=Path, default=REPO / "engines/default.yaml")
+    ap.add_argument("--engine-root", type=Path, default=REPO / "engines")
+    ap.add_argument("--http-port", type=int, default=8000)
+    ap.add_argument("--grpc-port", type=int, default=8001)
+    ap.add_argument("--metrics-port", type=int, default=8002)
+    ap.add_argument("--address", default="127.0.0.1", help="listen address (default loopback only)")
+    ap.add_argument("--target-cores", default="0")
+    ap.add_argument("--drafter-cores", default="1")
+    ap.add_argument("--threads", default="1", help="torch threads per engine process")
+    ap.add_argument("--mode", default="ssd", choices=["ar", "sd", "ssd"], help="default decoding mode")
+    a = ap.parse_args()
+    roles = engines_by_role(a.config)
+    repo = render_repository(REPO / "build" / "model_repository", {
+        "ssd": {"tokenizer": roles["target"], "default_mode": a.mode},
+        "target": {"engine": roles["target"], "cores": a.target_cores, "threads": a.threads},
+        "drafter_primary": {"engine": roles["drafter"], "cores": a.drafter_cores, "threads": a.threads},
+        "drafter_backup": {"cores": a.drafter_cores},
+    })
+    server = TritonServer(repo, a.engine_root, http_port=a.http_port, grpc_port=a.grpc_port,
+                          metrics_port=a.metrics_port, address=a.address,
+                          log_file=REPO / "build" / "tritonserver.log")
+    print(f"[serve] starting tritonserver (log: {server.log_file}) ...", flush=True)
+    t0 = time.time()
+    server.start(timeout=900)
+    print(f"[serve] ready in {time.time() - t0:.0f} s: target={roles['target']} drafter={roles['drafter']}")
+    print(f"[serve] HTTP    http://{server.http_url}   gRPC {server.grpc_url}   "
+          f"metrics http://{server.address}:{server.metrics_port}/metrics")
+    print(f"""[serve] try:
+  curl -s {server.http_url}/v2/models/ssd/generate -d '{{"text_input": "Write a Python function that checks whether a number is prime.", "max_tokens": 64}}'
+  .venv/bin/python tools/client.py --url {server.http_url} --mode ssd "Write a quicksort in Python."
+  .venv/bin/python tools/client.py --grpc --url {server.grpc_url} --stream "Explain recursion in one paragraph."
+[serve] Ctrl-C to stop.""", flush=True)
+    stop = {"now": False}
+    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    try:
+        while not stop["now"] and server.proc.poll() is None:
+            time.sleep(0.5)
+    finally:
+        print("[serve] stopping ...", flush=True)
+        server.stop()
+        print("[serve] stopped", flush=True)
+
+
+if __name__ == "__main__":
+    main()
