@@ -63,7 +63,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 class TorchEngine:
     def __init__(self, folder: str | os.PathLike, dtype: str | None = None, threads: int | None = None,
-                 step_rows: int = 0, exact: bool = True, max_sequences: int = 64, max_len: int | None = None):
+                 step_rows: int = 0, exact: bool = True, max_sequences: int = 64, max_len: int | None = None,
+                 head_vocab: int = 0):
         """``step_rows`` > 0 pads every short forward to that many rows, so an AR step and a verify
         have the same shapes (bit-identical greedy output across modes in bf16 too)."""
         if threads:
@@ -78,7 +79,7 @@ class TorchEngine:
         dtype = dtype or meta.get("dtype", "bfloat16")
         self.dtype = DTYPES[dtype]
         weights = load_file(str(folder / "model.safetensors"))
-        self.model = Transformer(self.config, weights, self.dtype)
+        self.model = Transformer(self.config, weights, self.dtype, head_vocab=head_vocab)
         del weights
         eos = hf.get("eos_token_id", [])
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | set(meta.get("eos_token_ids", []))

@@ -92,14 +92,18 @@ class Linear:
 
 class Transformer:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 pack: bool = True):
+                 pack: bool = True, head_vocab: int = 0):
+        """``head_vocab`` > 0 keeps only the first ``head_vocab`` rows of the output projection (a
+        drafter option: BPE ids are ordered by merge rank, so the low ids are the frequent tokens;
+        the rest get logit -inf, i.e. q = 0, which verification handles exactly)."""
         self.config = config
         self.dtype = dtype
         w = {k: v.to(dtype).contiguous() for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
         head = self.embed if config.tie_word_embeddings else w.get("lm_head.weight", self.embed)
-        self.lm_head = Linear(head, None, pack)
+        self.head_vocab = head_vocab if 0 < head_vocab < config.vocab_size else config.vocab_size
+        self.lm_head = Linear(head[: self.head_vocab].contiguous(), None, pack)
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -211,4 +215,7 @@ class Transformer:
             off += n
         rows = torch.cat(keep)
         logits = self.lm_head(self._rms(x[rows], self.norm)).float()
+        if self.head_vocab < c.vocab_size:
+            pad = logits.new_full((logits.shape[0], c.vocab_size - self.head_vocab), float("-inf"))
+            logits = torch.cat([logits, pad], dim=-1)
         return list(logits.split([n - rb.logits_from for rb, n in zip(batch, sizes)]))

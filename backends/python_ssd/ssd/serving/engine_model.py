@@ -23,7 +23,8 @@ def _build_worker(role: str, params: dict[str, str]):
                          threads=int(params.get("threads") or 0) or None,
                          step_rows=int(params.get("step_rows") or 0),
                          exact=params.get("exact_attention", "true").lower() == "true",
-                         max_sequences=int(params.get("max_sequences") or 64))
+                         max_sequences=int(params.get("max_sequences") or 64),
+                         head_vocab=int(params.get("head_vocab") or 0))
     if role == "target":
         from ..workers.target import TargetWorker
         return TargetWorker(engine)
