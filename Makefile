@@ -23,5 +23,12 @@ serve: engines
 test: $(STAMP)
 	$(PY) -m pytest -v -p no:cacheprovider tests
 
+# Decode speed of AR / SD / SSD through the served model, side by side (results/bench_serve.json).
+bench-quick: engines
+	$(PY) tools/bench_serve.py --layouts split --datasets humaneval,gsm8k --per-dataset 2 --max-tokens 64
+
+bench: engines
+	$(PY) tools/bench_serve.py --layouts split,shared2 --datasets humaneval,gsm8k,mtbench --per-dataset 4 --max-tokens 128
+
 clean:
 	rm -rf build results
