@@ -175,3 +175,27 @@ def test_stops_inside_accepted_block(engines, codec, ar_outputs, mode, k):
     asyncio.run(run_stop())
     full = codec.decode(ref)
     assert checker.text == full[: full.index(stop_text)]
+
+
+def test_ngram_backup_beats_random_tokens(ar_outputs, codec):
+    """The fast backup must accept more than random drafts would, on real model output."""
+    import random
+
+    from ssd.algorithm.ngram import propose
+
+    rng = random.Random(0)
+    k, ngram_acc, random_acc, rounds = 4, 0, 0, 0
+    for prompt, out in zip(PROMPTS, ar_outputs):
+        seq = codec.encode_prompt(prompt) + out
+        start = len(seq) - len(out)
+        for pos in range(start, len(seq) - k):
+            truth = seq[pos:pos + k]
+
+            def accepted(draft):
+                return next((i for i, (a, b) in enumerate(zip(draft, truth)) if a != b), k)
+
+            ngram_acc += accepted(propose(seq[:pos], k))
+            random_acc += accepted([rng.randrange(len(codec.tokenizer.get_vocab())) for _ in range(k)])
+            rounds += 1
+    assert rounds > 50
+    assert ngram_acc / rounds > random_acc / rounds + 0.05, (ngram_acc / rounds, random_acc / rounds)
