@@ -1,27 +1,31 @@
 """Sampled SD and SSD emit the target's distribution: exact unit checks plus chi-square tests.
 
 * ``verify`` alone: with scripted uniforms (bisection on u finds the code's own acceptance
-  probability) and the residual it actually samples from, the emitted token's distribution is
-  computed exactly and must equal p to 1e-6, for q, Saguaro q' (C = 1, 0.5, 0) and one-hot drafts.
+  probability) and the residual it actually samples from, the emitted token's law is computed
+  exactly and must equal p to 1e-6, for q, Saguaro q' (C = 1, 0.5, 0) and one-hot drafts, at the
+  first position and after an accepted one (plus the bonus token after full acceptance).
 * End to end: N generations of L tokens from tiny random models (tests/tiny_models.py) through the
-  real ``Generation`` loops and workers. Two Pearson chi-square goodness-of-fit tests per config:
+  real ``Generation`` loops and workers. Pearson chi-square goodness-of-fit tests per config:
   - the joint law of (t1, t2) against the target's exact law, enumerated (bins with expected
-    count < 5 pooled; any token the target gives probability 0 fails at once);
+    count < 5 pooled; a token the target gives probability 0 fails at once);
   - randomized PIT of t2..tL: U = F(t-) + V p(t) under the target's p(. | actual prefix), tokens
-    ordered by p. Under exactness the U are i.i.d. uniform, whatever the block boundaries, so this
-    also covers tokens of later rounds, where SSD drafts come from the speculation cache.
-* Negative controls: verifiers with known biases (argmax matching at temperature > 0, no residual)
-  and a drafter that reports q instead of the q' it sampled from must be rejected by the same tests
-  with the same N.
+    ordered by p. Under exactness the U are i.i.d. uniform whatever the block boundaries, so this
+    covers later rounds too, where SSD drafts come from the speculation cache;
+  - SSD only: the same PIT restricted to tokens of rounds whose draft was a cache hit.
+* Negative controls: known-biased verifiers (argmax matching at temperature > 0, no residual) and a
+  drafter that reports q instead of the Saguaro q' it sampled from must fail the same tests, same N.
 
-False alarms: each test has level ALPHA = 0.001 (chi-square approximation); there are
-2 x len(CONFIGS) = 16 of them, so the family-wise false-alarm rate is <= 16 x 0.001 = 1.6%
-(union bound). Seeds are fixed, so CI is deterministic: the rate is about the sampling process,
-i.e. the chance that another seed choice would have flagged a correct implementation.
+False alarms: each test has level ALPHA = 0.001 (chi-square approximation). The default run has
+6 configs: 2 SD x 2 tests + 4 SSD x 3 tests = 16 tests, so the family-wise false-alarm rate is
+<= 16 x 0.001 = 1.6% (union bound); SSD_EXACTNESS_FULL=1 (all 6 (C, backup) pairs under both
+sampling settings, 40 tests) gives <= 4%. Seeds are fixed, so CI is deterministic: these rates
+are about the sampling process, i.e. the chance that another choice of seeds would flag a correct
+implementation. SSD_EXACTNESS_N raises N for a deeper local check.
 """
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -35,30 +39,32 @@ sys.path.insert(0, str(ROOT / "backends" / "python_ssd"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ssd.algorithm import verification  # noqa: E402
+from ssd.algorithm.stats import RequestStats  # noqa: E402
 from ssd.algorithm.sampling import SamplingParams, probs_from_logits, sample, saguaro  # noqa: E402
 from ssd.algorithm.verification import Outcome  # noqa: E402
 from ssd.decoding.generator import DecodeConfig, Generation, SharedState  # noqa: E402
-from ssd.decoding.local_client import LocalClient  # noqa: E402
 from ssd.engine.engine import ExtendCall, TorchEngine  # noqa: E402
 from ssd.workers import drafter as drafter_mod, target as target_mod  # noqa: E402
 from ssd.workers.drafter import DrafterWorker  # noqa: E402
 from ssd.workers.fast_backup import NgramWorker  # noqa: E402
-from ssd.workers.protocol import DraftResult  # noqa: E402
 from ssd.workers.target import TargetWorker  # noqa: E402
-from tiny_models import load_weights, make_tiny_engine  # noqa: E402
+from tiny_models import BatchingClient, load_weights, make_tiny_engine  # noqa: E402
 
 ALPHA = 1e-3
-N = 1200  # generations per config
-L = 4  # tokens per generation: t1 (prefill) + t2..t4 (rounds 1-2, so cache hits are in the window)
+N = int(os.environ.get("SSD_EXACTNESS_N", "1000"))  # generations per config (CI: ~2 min budget)
+L = 5  # tokens per generation: t1 (prefill) + t2..t5 (rounds 1-3: cache hits happen from round 2)
 K = 2
+FANOUT = 8  # speculation budget: 2-3 pre-drafted outcomes per accepted length (enough hits)
 V = 16
 PROMPT = [3, 7, 1, 12]
 T1 = SamplingParams(temperature=1.0)
 TK = SamplingParams(temperature=0.7, top_p=0.9, top_k=8)
-# (mode, params, saguaro C, backup): every (C, backup) pair of SSD once, SD under both params
-CONFIGS = [("sd", T1, 1.0, "auto"), ("ssd", T1, 1.0, "neural"), ("ssd", T1, 0.5, "fast"),
-           ("ssd", T1, 0.0, "neural"), ("sd", TK, 1.0, "auto"), ("ssd", TK, 1.0, "fast"),
-           ("ssd", TK, 0.5, "neural"), ("ssd", TK, 0.0, "fast")]
+# (mode, params, saguaro C, backup). By default every C, both backups under each sampling setting;
+# C = 0 with the neural backup runs in the q-not-q' negative control.
+CONFIGS = [("sd", T1, 1.0, "auto"), ("sd", TK, 1.0, "auto"),
+           ("ssd", T1, 1.0, "neural"), ("ssd", T1, 0.5, "fast"), ("ssd", TK, 0.5, "neural"), ("ssd", TK, 0.0, "fast")]
+if os.environ.get("SSD_EXACTNESS_FULL") == "1":
+    CONFIGS[2:] = [("ssd", p, c, b) for p in (T1, TK) for c in (1.0, 0.5, 0.0) for b in ("neural", "fast")]
 
 
 # ------------------------------------------------------------------ fixtures and helpers
@@ -102,12 +108,10 @@ def pooled_chisquare(observed: np.ndarray, expected: np.ndarray) -> float:
     obs, exp = list(observed[big]), list(expected[big])
     rest_o, rest_e = observed[~big].sum(), expected[~big].sum()
     if rest_e >= 5:
-        obs.append(rest_o)
-        exp.append(rest_e)
-    elif rest_e > 0:
+        obs, exp = obs + [rest_o], exp + [rest_e]
+    elif rest_e > 0:  # still too small pooled: fold it into the smallest bin
         i = int(np.argmin(exp))
-        obs[i] += rest_o
-        exp[i] += rest_e
+        obs[i], exp[i] = obs[i] + rest_o, exp[i] + rest_e
     return float(stats.chisquare(obs, exp).pvalue)
 
 
@@ -132,53 +136,17 @@ def uniform_pvalue(u: np.ndarray, bins: int) -> float:
     return pooled_chisquare(counts, np.full(bins, len(u) / bins))
 
 
-def from_cache(st) -> list[bool]:
+def from_cache(st: RequestStats) -> list[bool]:
     """Per token t2..tL: whether its round's draft came from the speculation cache."""
     out = [src == "cache" for n, src in zip(st.tokens_per_round, st.source_per_round) for _ in range(n)]
     return out[:L - 1]
 
 
-class BatchingClient(LocalClient):
-    """A LocalClient that runs the calls of concurrent Generations as one batched worker call per
-    (worker, method), in the event-loop thread, like the server's batcher: ~3x faster here."""
-
-    def __init__(self, *workers):
-        super().__init__(*workers)
-        self._pending: dict[tuple[int, str], tuple[object, list]] = {}
-        self._scheduled = False
-
-    async def _call(self, worker, method: str, call):
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._pending.setdefault((id(worker), method), (worker, []))[1].append((call, fut))
-        if not self._scheduled:
-            self._scheduled = True
-            loop.call_soon(self._flush, -1, 0)
-        return await fut
-
-    def _flush(self, last: int, quiet: int) -> None:
-        # wait for a few loop passes without new calls: every runnable Generation has queued by then
-        n = sum(len(items) for _, items in self._pending.values())
-        if n != last or quiet < 2:
-            asyncio.get_running_loop().call_soon(self._flush, n, quiet + 1 if n == last else 0)
-            return
-        pending, self._pending, self._scheduled = self._pending, {}, False
-        for (_, method), (worker, items) in pending.items():
-            try:
-                results = getattr(worker, method)([c for c, _ in items])
-            except Exception as e:  # surface worker errors in the Generation that made the call
-                for _, f in items:
-                    f.set_exception(e)
-                continue
-            for (_, f), r in zip(items, results):
-                f.set_result(r)
-
-
 def generate(tiny: dict, mode: str, params: SamplingParams, c: float, backup: str, seed0: int,
-             tag: str, n: int = N, width: int = 32) -> tuple[list[list[int]], list]:
+             tag: str, n: int = N, width: int = 32) -> tuple[list[list[int]], list[RequestStats]]:
     """n generations of L tokens (seeds seed0..seed0+n-1), width of them in flight at a time."""
     client = BatchingClient(TargetWorker(tiny["target"]), DrafterWorker(tiny["drafter"]), NgramWorker())
-    cfg = DecodeConfig(mode=mode, k=K, fanout_budget=6, saguaro_c=c, backup=backup)
+    cfg = DecodeConfig(mode=mode, k=K, fanout_budget=FANOUT, saguaro_c=c, backup=backup)
     shared = SharedState()
 
     async def one(i: int, sem: asyncio.Semaphore):
@@ -203,7 +171,7 @@ def generate(tiny: dict, mode: str, params: SamplingParams, c: float, backup: st
     return [s for s, _ in res], [st for _, st in res]
 
 
-def pvalues(tiny: dict, seqs: list[list[int]], st: list, params: SamplingParams) -> dict[str, float]:
+def pvalues(tiny: dict, seqs: list[list[int]], st: list[RequestStats], params: SamplingParams) -> dict[str, float]:
     counts = np.zeros((V, V))
     np.add.at(counts, ([s[0] for s in seqs], [s[1] for s in seqs]), 1)
     u = pit_uniforms(tiny["oracle"], seqs, params)
@@ -328,27 +296,25 @@ def test_sampled_output_follows_target(tiny, mode, params, c, backup):
         assert sum(s.hits for s in st) > N // 20 and sum(s.misses for s in st) > N // 20
     ps = pvalues(tiny, seqs, st, params)
     assert mode == "sd" or "PIT cache tokens" in ps
-    print(f"\n{mode} {params} C={c} {backup}: " + ", ".join(f"p({k})={v:.4g}" for k, v in ps.items()))
+    hits, misses = sum(s.hits for s in st), sum(s.misses for s in st)
+    print(f"\n{mode} {params} C={c} {backup}: hits={hits} misses={misses} "
+          f"rounds={len(accepted)} mean accepted={np.mean(accepted):.2f}: "
+          + ", ".join(f"p({k})={v:.4g}" for k, v in ps.items()))
     assert min(ps.values()) > ALPHA, ps
 
 
-def _argmax_match_verify(target_logits, draft, draft_probs, params, generator) -> Outcome:
-    """Known bug (greedy matching while sampling): accept iff the draft is the target's argmax."""
-    p = probs_from_logits(target_logits, params)
-    for j, d in enumerate(draft):
-        if d != int(p[j].argmax()):
-            return Outcome(j, sample(p[j], generator))
-    return Outcome(len(draft), sample(p[len(draft)], generator))
-
-
-def _no_residual_verify(target_logits, draft, draft_probs, params, generator) -> Outcome:
-    """Right acceptance test, but a rejection samples t* from p instead of max(0, p - q')."""
-    p = probs_from_logits(target_logits, params)
-    for j, d in enumerate(draft):
-        q_d = 1.0 if draft_probs is None else float(draft_probs[j, d])
-        if float(torch.rand((), generator=generator)) >= min(1.0, float(p[j, d]) / q_d):
-            return Outcome(j, sample(p[j], generator))
-    return Outcome(len(draft), sample(p[len(draft)], generator))
+def _biased_verify(kind: str):
+    """Known-biased verifiers. argmax-match: greedy matching while sampling (accept iff the draft is
+    the target's argmax). no-residual: the right accept test, but t* ~ p instead of max(0, p - q')."""
+    def verify(target_logits, draft, draft_probs, params, generator) -> Outcome:
+        p = probs_from_logits(target_logits, params)
+        for j, d in enumerate(draft):
+            q_d = 1.0 if draft_probs is None else float(draft_probs[j, d])
+            u = float(torch.rand((), generator=generator))
+            if (d != int(p[j].argmax())) if kind == "argmax-match" else (u >= min(1.0, float(p[j, d]) / q_d)):
+                return Outcome(j, sample(p[j], generator))
+        return Outcome(len(draft), sample(p[len(draft)], generator))
+    return verify
 
 
 def _pick_reporting_q(logits, params, top_f, c, g):
@@ -358,22 +324,14 @@ def _pick_reporting_q(logits, params, top_f, c, g):
     return sample(q_shaped, g), q
 
 
-def _fetch_without_probs(self, calls):
-    """Cache bug: a hit's q' rows are lost, so the verifier treats the cached draft as one-hot."""
-    return [DraftResult(r.tokens, None) for r in DrafterWorker.fetch.__wrapped__(self, calls)]
-
-
-BUGS = {"argmax-match": ("sd", 1.0, "auto", target_mod, "verify", _argmax_match_verify),
-        "no-residual": ("sd", 1.0, "auto", target_mod, "verify", _no_residual_verify),
-        "q-not-q'": ("ssd", 0.0, "neural", drafter_mod, "_pick", _pick_reporting_q),
-        "cache-onehot": ("ssd", 1.0, "neural", DrafterWorker, "fetch", _fetch_without_probs)}
+BUGS = {"argmax-match": ("sd", 1.0, "auto", target_mod, "verify", _biased_verify("argmax-match")),
+        "no-residual": ("sd", 1.0, "auto", target_mod, "verify", _biased_verify("no-residual")),
+        "q-not-q'": ("ssd", 0.0, "neural", drafter_mod, "_pick", _pick_reporting_q)}
 
 
 @pytest.mark.parametrize("bug", list(BUGS))
 def test_biased_sampler_is_caught(tiny, monkeypatch, bug):
     mode, c, backup, owner, name, replacement = BUGS[bug]
-    if name == "fetch":
-        replacement.__wrapped__ = DrafterWorker.fetch  # the real fetch, before it is patched
     monkeypatch.setattr(owner, name, replacement)
     seqs, st = generate(tiny, mode, T1, c, backup, seed0=5_000_000, tag=f"bug-{bug}")
     ps = pvalues(tiny, seqs, st, T1)

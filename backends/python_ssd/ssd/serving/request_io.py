@@ -5,6 +5,7 @@ the server carries on with the other requests.
 """
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
 import triton_python_backend_utils as pb_utils
@@ -71,7 +72,10 @@ def parse_request(request, defaults: DecodeConfig, default_max_tokens: int, max_
     _check(0.0 < top_p <= 1.0, "top_p", f"must be in (0, 1], got {top_p}")
     top_k = _scalar(request, "top_k", int, 0)
     _check(top_k >= 0, "top_k", f"must be >= 0 (0 disables it), got {top_k}")
-    seed = _scalar(request, "seed", int, 0)
+    # No seed: a fresh random one (sampled requests differ, as in vLLM); greedy ignores it.
+    seed = _scalar(request, "seed", int, None)
+    if seed is None:
+        seed = secrets.randbits(62)
     _check(0 <= seed < 2**63, "seed", f"must be in [0, 2^63), got {seed}")
     stop_arr = _value(request, "stop")
     stop = [s.decode("utf-8") if isinstance(s, bytes) else str(s) for s in stop_arr] if stop_arr is not None else []

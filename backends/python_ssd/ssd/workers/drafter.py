@@ -27,7 +27,7 @@ def _pick(logits: torch.Tensor, params, top_f: int, c: float, g) -> tuple[int, t
         return int(logits.argmax()), None
     q = probs_from_logits(logits[None], params)[0]
     if c < 1.0 and top_f > 0:
-        q = saguaro(q, torch.topk(q, top_f).indices, c)
+        q = saguaro(q, torch.topk(q, min(top_f, q.numel())).indices, c)
     return sample(q, g), q
 
 
