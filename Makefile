@@ -32,3 +32,8 @@ bench: engines
 
 clean:
 	rm -rf build results
+
+# Locust sweep (concurrency x mode) against a server started here or --url; see README "Load tests".
+LOADTEST_ARGS ?=
+loadtest: $(STAMP)
+	$(PY) loadtest/sweep.py $(LOADTEST_ARGS)

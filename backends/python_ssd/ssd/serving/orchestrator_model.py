@@ -108,6 +108,8 @@ class OrchestratorModel:
             stats = gen.stats.to_dict()
             stats["new_tokens"] = len(checker.tokens)  # what the client got, after stop conditions
             stats["b_star"] = self.shared.policy.b_star()
+            # counters first: a client that reads /metrics right after its response sees itself
+            self.metrics.request_done(req.decode.mode, status, stats, stats["b_star"])
             if status == "cancelled":
                 sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             else:
@@ -115,7 +117,6 @@ class OrchestratorModel:
                 ids = checker.tokens[sent_ids:] if req.stream else checker.tokens
                 sender.send(self._response(text, ids, checker.finish_reason or "length", stats),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            self.metrics.request_done(req.decode.mode, status, stats, stats["b_star"])
         except Exception as e:  # noqa: BLE001 - an engine failure ends this request, not the server
             self.metrics.request_done(req.decode.mode, "error", None, None)
             self._error(sender, f"generation failed: {type(e).__name__}: {e}")

@@ -1,0 +1,360 @@
+"""Load-test sweep: Locust (headless) at each concurrency level x decoding mode against the `ssd` model.
+
+Against a running server (--url http://127.0.0.1:8000, metrics from --metrics-url) or one started
+here: --engine-root/--config like tools/bench_serve.py (target on core 0, drafter on core 1), or
+--tiny (the CI engines in build/test_engines: smollm2-135m fp32 target, the same weights in bf16 as
+drafter) for quick smoke runs. Each cell runs `locust -f loadtest/locustfile.py --headless -u N -r N
+--run-time T` (users finish the request in flight, up to --stop-timeout), scrapes /metrics before and
+after, and records requests, failures, output tokens/s, p50/p99 latency, TTFT p50 (StreamUser), and
+the server's backup policy decisions (ssd_policy_decisions_total deltas by reason).
+
+Outputs under --out (default results/loadtest/): sweep.csv, throughput.png, latency.png, and per
+cell cells/<mode>_u<N>{_stats.csv,_failures.csv,.html,_summary.json,.log}.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import defaultdict
+from pathlib import Path
+from urllib.parse import urlparse
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO / "tools"))
+
+TINY_TARGET = "smollm2-135m"
+LOOPBACK = ("127.0.0.1", "localhost")
+FIELDS = ["mode", "users", "user_class", "requests", "failures", "rps", "output_tokens", "output_tokens_per_s",
+          "latency_p50_ms", "latency_p99_ms", "latency_avg_ms", "ttft_p50_ms", "itl_p50_ms",
+          "server_requests_ok", "server_requests_failed", "server_output_tokens", "cache_hits", "cache_misses",
+          "p_hit", "backup_neural", "backup_fast", "policy_choice", "policy_decisions", "rejected_busy",
+          "locust_rc", "wall_s"]
+
+
+# -- Prometheus ---------------------------------------------------------------------------------------
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_metrics(text: str) -> dict[tuple[str, frozenset], float]:
+    out = {}
+    for line in text.splitlines():
+        if not line.startswith("ssd_"):
+            continue
+        head, _, value = line.rpartition(" ")
+        name, _, labels = head.partition("{")
+        try:
+            out[(name, frozenset(_LABEL.findall(labels)))] = float(value)
+        except ValueError:
+            pass
+    return out
+
+
+def scrape(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return parse_metrics(r.read().decode())
+
+
+def by_label(before: dict, after: dict, name: str, label: str | None = None, **match) -> dict[str, float]:
+    """Delta of counter ``name`` summed per value of ``label`` (or under "" when label is None)."""
+    out: dict[str, float] = defaultdict(float)
+    for (n, labels), v in after.items():
+        if n != name:
+            continue
+        d = dict(labels)
+        if any(d.get(k) != val for k, val in match.items()):
+            continue
+        out[d.get(label, "") if label else ""] += v - before.get((n, labels), 0.0)
+    return {k: v for k, v in out.items() if v}
+
+
+def wait_idle(metrics_url: str, timeout: float = 180.0) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        m = scrape(metrics_url)
+        active = sum(v for (n, _), v in m.items() if n == "ssd_active_requests")
+        if active == 0 or time.time() > deadline:
+            if active:
+                print(f"[loadtest] warning: {active:.0f} requests still active on the server", flush=True)
+            return m
+        time.sleep(0.5)
+
+
+# -- server -----------------------------------------------------------------------------------------------
+def start_server(a):
+    from triton_launcher import TritonServer, render_repository
+
+    if a.tiny:
+        from build_engines import build
+
+        engine_root = REPO / "build" / "test_engines"
+        build(REPO / "engines" / "tiny.yaml", engine_root, REPO / "engines" / ".cache")  # no-op when built
+        overrides = {
+            "ssd": {"tokenizer": TINY_TARGET},
+            "target": {"engine": TINY_TARGET, "cores": "0", "threads": "1", "step_rows": "8", "dtype": "float32"},
+            "drafter_primary": {"engine": TINY_TARGET, "cores": "1", "threads": "1", "dtype": "bfloat16"},
+            "drafter_backup": {"cores": "1"},
+        }
+    else:
+        from serve import engines_by_role
+
+        engine_root = a.engine_root
+        roles = engines_by_role(a.config)
+        overrides = {
+            "ssd": {"tokenizer": roles["target"]},
+            "target": {"engine": roles["target"], "cores": "0", "threads": "1"},
+            "drafter_primary": {"engine": roles["drafter"], "cores": "1", "threads": "1"},
+            "drafter_backup": {"cores": "1"},
+        }
+    overrides["ssd"]["max_active_requests"] = str(a.max_active)
+    repo = render_repository(REPO / "build" / "loadtest_repo", overrides)
+    srv = TritonServer(repo, engine_root, log_file=REPO / "build" / "loadtest_server.log")
+    print(f"[loadtest] starting tritonserver ({'tiny engines' if a.tiny else engine_root}; "
+          f"log {srv.log_file}) ...", flush=True)
+    t0 = time.time()
+    srv.start(timeout=900)
+    print(f"[loadtest] ready in {time.time() - t0:.0f} s on http://{srv.http_url}", flush=True)
+    return srv, f"http://{srv.http_url}", f"http://{srv.address}:{srv.metrics_port}/metrics"
+
+
+def warm_up(url: str, modes: list[str]) -> None:
+    for mode in modes:
+        body = {"text_input": "Say hi.", "max_tokens": 8, "mode": mode, "temperature": 0.0}
+        req = urllib.request.Request(f"{url}/v2/models/ssd/generate", data=json.dumps(body).encode())
+        with urllib.request.urlopen(req, timeout=600) as r:
+            r.read()
+
+
+# -- one cell ---------------------------------------------------------------------------------------------
+def _locust_cmd() -> list[str]:
+    exe = Path(sys.executable).parent / "locust"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "locust"]
+
+
+def read_stats(path: Path) -> dict[str, dict]:
+    if not path.exists():
+        return {}
+    with path.open() as f:
+        return {r["Name"]: r for r in csv.DictReader(f)}
+
+
+def _num(row: dict | None, key: str) -> float:
+    try:
+        return float(row[key]) if row and row.get(key) not in (None, "", "N/A") else 0.0
+    except ValueError:
+        return 0.0
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    xs = sorted(xs)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def run_cell(a, url: str, metrics_url: str, mode: str, users: int) -> dict:
+    cells = a.out / "cells"
+    cells.mkdir(parents=True, exist_ok=True)
+    tag = f"{mode}_u{users}"
+    prefix, summary = cells / tag, cells / f"{tag}_summary.json"
+    for stale in (summary, Path(f"{prefix}_stats.csv")):
+        stale.unlink(missing_ok=True)
+    before = wait_idle(metrics_url)
+    cmd = _locust_cmd() + ["-f", str(HERE / "locustfile.py"), "--headless", "-u", str(users), "-r", str(users),
+                           "--run-time", a.run_time, "--stop-timeout", str(a.stop_timeout), "--host", url,
+                           "--csv", str(prefix), "--html", str(cells / f"{tag}.html"), "--only-summary",
+                           *a.user_class.split(",")]
+    env = dict(os.environ, SSD_MODE=mode, SSD_MAX_TOKENS=str(a.max_tokens), SSD_SUMMARY=str(summary),
+               SSD_DATASETS=a.datasets, SSD_PROMPTS_PER_DATASET=str(a.prompts_per_dataset))
+    t0 = time.time()
+    with open(cells / f"{tag}.log", "w") as log:
+        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            timeout=a.run_seconds + a.stop_timeout + 300).returncode
+    wall = time.time() - t0
+    after = wait_idle(metrics_url)
+    stats = read_stats(Path(f"{prefix}_stats.csv"))
+    names = [n for cls, n in (("GenerateUser", "generate"), ("StreamUser", "generate_stream"))
+             if cls in a.user_class.split(",")]
+    mains = [stats[n] for n in names if n in stats]
+    s = json.loads(summary.read_text()) if summary.exists() else {}
+    tokens_row = stats.get("output_tokens")
+    tps = s.get("output_tokens_per_s") or _num(tokens_row, "Requests/s") * _num(tokens_row, "Average Content Size")
+    # exact percentiles from the locustfile's own record (Locust's CSV rounds to 2 significant digits)
+    lat, ttft = s.get("latency_ms") or [], s.get("ttft_ms") or []
+    main = mains[0] if len(mains) == 1 else None
+    policy = by_label(before, after, "ssd_policy_decisions_total", "reason")
+    kinds: dict[str, float] = defaultdict(float)
+    for reason, n in policy.items():
+        kinds[reason.split(":")[0]] += n
+    backup = by_label(before, after, "ssd_backup_used_total", "kind")
+    lookups = by_label(before, after, "ssd_cache_lookups_total", "result")
+    hits, misses = lookups.get("hit", 0.0), lookups.get("miss", 0.0)
+    req_by_status = by_label(before, after, "ssd_requests_total", "status")
+    return {
+        "mode": mode, "users": users, "user_class": a.user_class,
+        "requests": int(sum(_num(r, "Request Count") for r in mains)),
+        "failures": int(sum(_num(r, "Failure Count") for r in mains)),
+        "rps": round(sum(_num(r, "Requests/s") for r in mains), 3),
+        "output_tokens": int(s.get("tokens", 0)), "output_tokens_per_s": round(tps, 2),
+        "latency_p50_ms": round(percentile(lat, 50), 1) if lat else _num(main, "50%"),
+        "latency_p99_ms": round(percentile(lat, 99), 1) if lat else _num(main, "99%"),
+        "latency_avg_ms": round(sum(lat) / len(lat), 1) if lat else round(_num(main, "Average Response Time"), 1),
+        "ttft_p50_ms": round(percentile(ttft, 50), 1) if ttft else "",
+        "itl_p50_ms": _num(stats.get("ITL"), "50%") if "ITL" in stats else "",
+        "server_requests_ok": int(req_by_status.get("ok", 0)),
+        "server_requests_failed": int(sum(v for k, v in req_by_status.items() if k != "ok")),
+        "server_output_tokens": int(sum(by_label(before, after, "ssd_output_tokens_total").values())),
+        "cache_hits": int(hits), "cache_misses": int(misses),
+        "p_hit": round(hits / (hits + misses), 3) if hits + misses else "",
+        "backup_neural": int(backup.get("neural", 0)), "backup_fast": int(backup.get("fast", 0)),
+        "policy_choice": max(kinds, key=kinds.get) if kinds else "-",
+        "policy_decisions": "; ".join(f"{k}={int(v)}" for k, v in sorted(policy.items())),
+        "rejected_busy": int(sum(by_label(before, after, "ssd_rejected_busy_total").values())),
+        "locust_rc": rc, "wall_s": round(wall, 1),
+    }
+
+
+# -- outputs ----------------------------------------------------------------------------------------------
+def plot(rows: list[dict], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator, ScalarFormatter
+
+    def log2_axis(ax):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["users"] for r in rows}))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_locator(NullLocator())
+
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    paths = []
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for m in modes:
+        rs = sorted((r for r in rows if r["mode"] == m), key=lambda r: r["users"])
+        ax.plot([r["users"] for r in rs], [r["output_tokens_per_s"] for r in rs], marker="o", label=m)
+    log2_axis(ax)
+    ax.set_xlabel("concurrent users")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("Throughput vs concurrency")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "throughput.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, m in enumerate(modes):
+        rs = sorted((r for r in rows if r["mode"] == m), key=lambda r: r["users"])
+        xs = [r["users"] for r in rs]
+        color = f"C{i}"
+        ax.plot(xs, [r["latency_p50_ms"] / 1000 for r in rs], marker="o", color=color, label=f"{m} p50")
+        ax.plot(xs, [r["latency_p99_ms"] / 1000 for r in rs], marker="s", ls="--", color=color, label=f"{m} p99")
+    log2_axis(ax)
+    ax.set_xlabel("concurrent users")
+    ax.set_ylabel("request latency (s)")
+    ax.set_title("Latency vs concurrency")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "latency.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| mode | users | requests | failures | out tok/s | p50 ms | p99 ms | TTFT p50 ms | p_hit "
+            "| backup (neural/fast) | policy |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r['users']} | {r['requests']} | {r['failures']} | {r['output_tokens_per_s']:.1f} "
+                     f"| {r['latency_p50_ms']:.0f} | {r['latency_p99_ms']:.0f} | {r['ttft_p50_ms'] or '-'} "
+                     f"| {r['p_hit'] if r['p_hit'] != '' else '-'} | {r['backup_neural']}/{r['backup_fast']} "
+                     f"| {r['policy_decisions'] or '-'} |")
+    return "\n".join(lines)
+
+
+def _seconds(t: str) -> int:
+    total, num = 0, ""
+    for ch in t.strip():
+        if ch.isdigit():
+            num += ch
+        else:
+            total += int(num) * {"h": 3600, "m": 60, "s": 1}[ch]
+            num = ""
+    return total + int(num or 0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000 (default: start one here)")
+    ap.add_argument("--metrics-url", help="its Prometheus endpoint (default: same host, port 8002, /metrics)")
+    ap.add_argument("--tiny", action="store_true", help="start a server on the CI engines (build/test_engines)")
+    ap.add_argument("--config", type=Path, default=REPO / "engines/default.yaml")
+    ap.add_argument("--engine-root", type=Path, default=REPO / "engines")
+    ap.add_argument("--concurrency", default="1,2,4,8,16")
+    ap.add_argument("--modes", default="ar,sd,ssd")
+    ap.add_argument("--run-time", default="60s", help="per cell (Locust --run-time)")
+    ap.add_argument("--stop-timeout", type=int, default=600, help="seconds users get to finish the request in flight")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--user-class", default="GenerateUser", help="GenerateUser, StreamUser or both (comma)")
+    ap.add_argument("--datasets", default="humaneval,gsm8k,mtbench")
+    ap.add_argument("--prompts-per-dataset", type=int, default=16)
+    ap.add_argument("--max-active", type=int, default=64, help="max_active_requests of a server started here")
+    ap.add_argument("--out", type=Path, default=REPO / "results" / "loadtest")
+    a = ap.parse_args()
+    a.run_seconds = _seconds(a.run_time)
+    levels = [int(x) for x in a.concurrency.split(",") if x]
+    modes = [m for m in a.modes.split(",") if m]
+    a.out.mkdir(parents=True, exist_ok=True)
+
+    srv = None
+    if a.url:
+        host = urlparse(a.url)
+        if host.hostname not in LOOPBACK:
+            raise SystemExit(f"--url must be a loopback address (127.0.0.1), got {a.url}")
+        url = a.url.rstrip("/")
+        metrics_url = a.metrics_url or f"{host.scheme}://{host.hostname}:8002/metrics"
+    else:
+        srv, url, metrics_url = start_server(a)
+    rows: list[dict] = []
+    try:
+        warm_up(url, modes)
+        n_cells = len(levels) * len(modes)
+        for n in levels:
+            for mode in modes:
+                print(f"[loadtest] cell {len(rows) + 1}/{n_cells}: mode={mode} users={n} run-time={a.run_time} ...",
+                      flush=True)
+                r = run_cell(a, url, metrics_url, mode, n)
+                rows.append(r)
+                print(f"[loadtest]   {r['requests']} requests, {r['failures']} failures, "
+                      f"{r['output_tokens_per_s']:.1f} out tok/s, p50 {r['latency_p50_ms']:.0f} ms, "
+                      f"p99 {r['latency_p99_ms']:.0f} ms, policy: {r['policy_decisions'] or '-'} "
+                      f"({r['wall_s']:.0f} s)", flush=True)
+                with (a.out / "sweep.csv").open("w", newline="") as f:  # rewritten after every cell
+                    w = csv.DictWriter(f, fieldnames=FIELDS)
+                    w.writeheader()
+                    w.writerows(rows)
+    finally:
+        if srv is not None:
+            srv.stop()
+    plots = plot(rows, a.out) if rows else []
+    print("\n" + markdown(rows))
+    print(f"\n[loadtest] {a.out / 'sweep.csv'}; plots: {', '.join(str(p) for p in plots)}; "
+          f"per-cell Locust CSV/HTML: {a.out / 'cells'}")
+
+
+if __name__ == "__main__":
+    main()
