@@ -99,8 +99,10 @@ class Transformer:
         self.config = config
         self.dtype = dtype
         w = {k: v.to(dtype).contiguous() for k, v in weights.items()}
-        self.embed = w["model.embed_tokens.weight"]
-        self.norm = w["model.norm.weight"]
+        # Tensors we keep are cloned: safetensors maps the file, and one surviving view would keep
+        # the whole mapping (every page we touched while packing) resident next to the packed copy.
+        self.embed = w["model.embed_tokens.weight"].clone()
+        self.norm = w["model.norm.weight"].clone()
         head = self.embed if config.tie_word_embeddings else w.get("lm_head.weight", self.embed)
         self.head_vocab = head_vocab if 0 < head_vocab < config.vocab_size else config.vocab_size
         self.lm_head = Linear(head[: self.head_vocab].contiguous(), None, pack)
@@ -115,7 +117,7 @@ class Transformer:
                 qkv_b = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
             gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
             self.layers.append(dict(
-                ln1=w[p + "input_layernorm.weight"], ln2=w[p + "post_attention_layernorm.weight"],
+                ln1=w[p + "input_layernorm.weight"].clone(), ln2=w[p + "post_attention_layernorm.weight"].clone(),
                 qkv=Linear(qkv_w, qkv_b, pack), o=Linear(w[a + "o_proj.weight"], None, pack),
                 gate_up=Linear(gate_up, None, pack), down=Linear(w[p + "mlp.down_proj.weight"], None, pack),
             ))
