@@ -77,3 +77,21 @@ def codec(engine_root):
     from ssd.decoding.text import TextCodec
 
     return TextCodec(engine_root / TARGET)
+
+
+@pytest.fixture(scope="session")
+def server(engine_root, tmp_path_factory):
+    """A real tritonserver on free loopback ports serving the SSD models on the CI engines:
+    target fp32 (exact greedy), drafter = the same weights in bf16; stopped after the session."""
+    from triton_launcher import TritonServer, render_repository
+
+    repo = render_repository(tmp_path_factory.mktemp("repo") / "models", {
+        "ssd": {"tokenizer": TARGET, "num_draft_tokens": "3", "fanout_budget": "6"},
+        "target": {"engine": TARGET, "cores": "0", "threads": "1", "step_rows": "8", "dtype": "float32"},
+        "drafter_primary": {"engine": TARGET, "cores": "1", "threads": "1", "dtype": "bfloat16"},
+        "drafter_backup": {"cores": "1"},
+    })
+    srv = TritonServer(repo, engine_root, log_file=tmp_path_factory.mktemp("log") / "tritonserver.log")
+    srv.start(timeout=300)
+    yield srv
+    srv.stop()

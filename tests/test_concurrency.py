@@ -33,23 +33,6 @@ def plan(r: int) -> tuple[int, str]:
     return r % len(PROMPTS), MODES[(r + r // len(PROMPTS)) % len(MODES)]
 
 
-@pytest.fixture(scope="module")
-def server(engine_root, tmp_path_factory):
-    from triton_launcher import TritonServer, render_repository
-
-    repo = render_repository(tmp_path_factory.mktemp("repo") / "models", {
-        "ssd": {"tokenizer": TARGET, "num_draft_tokens": "3", "fanout_budget": "6"},
-        "target": {"engine": TARGET, "cores": "0", "threads": "1", "step_rows": "8", "dtype": "float32"},
-        "drafter_primary": {"engine": TARGET, "cores": "1", "threads": "1", "dtype": "bfloat16"},
-        "drafter_backup": {"cores": "1"},
-    })
-    log = tmp_path_factory.mktemp("log") / "tritonserver.log"
-    srv = TritonServer(repo, engine_root, log_file=log)
-    srv.start(timeout=300)
-    yield srv
-    srv.stop()
-
-
 def _generate(srv, prompt: str, mode: str, req_id: str) -> tuple[int, dict | str]:
     body = {"id": req_id, "text_input": prompt, "max_tokens": MAX_TOKENS, "mode": mode, "temperature": 0.0}
     req = urllib.request.Request(f"http://{srv.http_url}/v2/models/ssd/generate", data=json.dumps(body).encode())

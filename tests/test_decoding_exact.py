@@ -134,6 +134,20 @@ def test_cache_hit_exactly_when_outcome_cached(engines, codec):
     assert g.stats.hits == expected_hits
 
 
+def _run_until_stop(client, codec, cfg, checker, seq: str) -> None:
+    from ssd.algorithm.sampling import SamplingParams
+    from ssd.decoding.generator import Generation
+
+    async def run():
+        g = Generation(client, seq, codec.encode_prompt(PROMPTS[0]), SamplingParams(), 0, cfg)
+        async for block in g.run():
+            if checker.push(block):
+                break
+        await client.release(seq)
+
+    asyncio.run(run())
+
+
 @pytest.mark.parametrize("mode,k", [("ar", 0), ("sd", 4), ("ssd", 4)])
 def test_stops_inside_accepted_block(engines, codec, ar_outputs, mode, k):
     """EOS, max_tokens and stop strings cut the output exactly where AR would."""
@@ -145,34 +159,12 @@ def test_stops_inside_accepted_block(engines, codec, ar_outputs, mode, k):
     cfg = DecodeConfig(mode=mode, k=max(k, 1))
     for max_tokens, eos in itertools.product([1, 2, 5, 13], [None, ref[7]]):
         checker = StopChecker(codec.decode, max_tokens, {eos} if eos is not None else set())
-
-        async def run():
-            from ssd.algorithm.sampling import SamplingParams
-            from ssd.decoding.generator import Generation
-
-            g = Generation(client, "stop", codec.encode_prompt(PROMPTS[0]), SamplingParams(), 0, cfg)
-            async for block in g.run():
-                if checker.push(block):
-                    break
-            await client.release("stop")
-
-        asyncio.run(run())
+        _run_until_stop(client, codec, cfg, checker, "stop")
         cut = ref.index(eos) if eos is not None and eos in ref[:max_tokens] else max_tokens
         assert checker.tokens == ref[:min(cut, max_tokens)]
     stop_text = codec.decode(ref[:10])[-3:]
     checker = StopChecker(codec.decode, 40, set(), [stop_text])
-
-    async def run_stop():
-        from ssd.algorithm.sampling import SamplingParams
-        from ssd.decoding.generator import Generation
-
-        g = Generation(client, "stop2", codec.encode_prompt(PROMPTS[0]), SamplingParams(), 0, cfg)
-        async for block in g.run():
-            if checker.push(block):
-                break
-        await client.release("stop2")
-
-    asyncio.run(run_stop())
+    _run_until_stop(client, codec, cfg, checker, "stop2")
     full = codec.decode(ref)
     assert checker.text == full[: full.index(stop_text)]
 
@@ -199,3 +191,45 @@ def test_ngram_backup_beats_random_tokens(ar_outputs, codec):
             rounds += 1
     assert rounds > 50
     assert ngram_acc / rounds > random_acc / rounds + 0.05, (ngram_acc / rounds, random_acc / rounds)
+
+
+class DyingDrafter:
+    """A drafter whose process 'dies' after a few calls: every later call raises."""
+
+    def __init__(self, inner, calls_before_death: int):
+        self.inner, self.left = inner, calls_before_death
+
+    def _maybe_die(self):
+        self.left -= 1
+        if self.left < 0:
+            raise ConnectionError("drafter_primary is not available")
+
+    def draft(self, calls):
+        self._maybe_die()
+        return self.inner.draft(calls)
+
+    def speculate(self, calls):
+        self._maybe_die()
+        return self.inner.speculate(calls)
+
+    def fetch(self, calls):
+        self._maybe_die()
+        return self.inner.fetch(calls)
+
+    def release(self, seq_id):
+        self.inner.release(seq_id)
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_dead_drafter_degrades_without_corrupting(engines, codec, ar_outputs, mode):
+    from ssd.decoding.generator import DecodeConfig
+    from ssd.decoding.local_client import LocalClient
+    from ssd.workers.drafter import DrafterWorker
+    from ssd.workers.fast_backup import NgramWorker
+    from ssd.workers.target import TargetWorker
+
+    client = LocalClient(TargetWorker(engines["target"]), DyingDrafter(DrafterWorker(engines["strong"]), 3),
+                         NgramWorker())
+    out, g = asyncio.run(_generate(client, codec.encode_prompt(PROMPTS[0]), DecodeConfig(mode=mode, k=3)))
+    assert out == ar_outputs[0]
+    assert "failed" in g.stats.degraded

@@ -20,24 +20,6 @@ from conftest import PROMPTS, TARGET, WEAK
 MAX_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def server(engine_root, tmp_path_factory):
-    from triton_launcher import TritonServer, render_repository
-
-    repo = render_repository(tmp_path_factory.mktemp("repo") / "models", {
-        "ssd": {"tokenizer": TARGET, "num_draft_tokens": "3", "fanout_budget": "6"},
-        "target": {"engine": TARGET, "cores": "0", "threads": "1", "step_rows": "8", "dtype": "float32"},
-        "drafter_primary": {"engine": TARGET, "cores": "1", "threads": "1", "dtype": "bfloat16"},
-        "drafter_backup": {"cores": "1"},
-    })
-    log = tmp_path_factory.mktemp("log") / "tritonserver.log"
-    srv = TritonServer(repo, engine_root, log_file=log)
-    srv.start(timeout=300)
-    yield srv
-    srv.stop()
-    assert srv.proc.returncode is not None
-
-
 def _post(srv, body: dict, path="generate"):
     req = urllib.request.Request(f"http://{srv.http_url}/v2/models/ssd/{path}", data=json.dumps(body).encode())
     try:
@@ -191,3 +173,34 @@ def test_metrics_count_requests(server):
     assert count(after, "ssd") - count(before, "ssd") == 2
     for name in ("ssd_output_tokens_total", "ssd_rounds_total", "ssd_cache_lookups_total", "ssd_active_requests"):
         assert name in after
+
+
+def test_client_disconnect_mid_stream_frees_the_request(server, reference):
+    """A client that drops its SSE stream must not leave a request decoding or disturb the next."""
+    import http.client
+    import time
+
+    conn = http.client.HTTPConnection(server.address, server.http_port, timeout=120)
+    conn.request("POST", "/v2/models/ssd/generate_stream",
+                 body=json.dumps({"text_input": "Count from one to two hundred.", "max_tokens": 400,
+                                  "stream": True, "mode": "ssd"}))
+    resp = conn.getresponse()
+    first = resp.fp.readline()
+    while not first.startswith(b"data:"):
+        first = resp.fp.readline()
+    conn.sock.close()  # the client goes away mid-generation
+    conn.close()
+
+    def active() -> float:
+        with urllib.request.urlopen(f"http://{server.address}:{server.metrics_port}/metrics") as r:
+            text = r.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("ssd_active_requests"))
+
+    deadline = time.time() + 120
+    while active() > 0 and time.time() < deadline:
+        time.sleep(0.5)
+    assert active() == 0
+    prompt, ref = next(iter(reference.items()))
+    status, body = _post(server, {"text_input": prompt, "max_tokens": MAX_TOKENS, "mode": "ssd"})
+    assert status == 200 and json.loads(body)["output_ids"] == ref

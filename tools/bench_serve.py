@@ -39,8 +39,9 @@ def start(layout: str, a) -> TritonServer:
     return srv.start(timeout=900)
 
 
-def generate(srv: TritonServer, prompt: str, mode: str, a) -> dict:
-    body = {"text_input": prompt, "max_tokens": a.max_tokens, "mode": mode, "temperature": a.temperature, "seed": 1}
+def generate(srv: TritonServer, prompt: str, mode: str, a, **extra) -> dict:
+    body = {"text_input": prompt, "max_tokens": a.max_tokens, "mode": mode, "temperature": a.temperature, "seed": 1,
+            **extra}
     t0 = time.perf_counter()
     req = urllib.request.Request(f"http://{srv.http_url}/v2/models/ssd/generate", data=json.dumps(body).encode())
     with urllib.request.urlopen(req, timeout=1800) as r:

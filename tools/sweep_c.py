@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_serve import start  # noqa: E402
+from bench_serve import generate, start  # noqa: E402
 from prompts import load  # noqa: E402
 from triton_launcher import REPO  # noqa: E402
 
@@ -37,7 +37,7 @@ def main() -> None:
     try:
         for c in [float(v) for v in a.values.split(",")]:
             for i, prompt in enumerate(prompts):
-                d = generate_with_c(srv, prompt, c, a)
+                d = generate(srv, prompt, "ssd", a, saguaro_c=c, seed=7)
                 s = d["stats"]
                 rows.append(dict(c=c, prompt=i, tps=s["decode_tokens_per_s"], acc=s["acceptance_length"],
                                  p_hit=s["p_hit"]))
@@ -52,21 +52,6 @@ def main() -> None:
         rs = [r for r in rows if r["c"] == c]
         m = lambda k: statistics.mean(r[k] for r in rs)  # noqa: E731
         print(f"| {c} | {m('tps'):.2f} | {m('acc'):.2f} | {m('p_hit'):.2f} |")
-
-
-def generate_with_c(srv, prompt, c, a):
-    import time
-    import urllib.request
-
-    body = {"text_input": prompt, "max_tokens": a.max_tokens, "mode": "ssd", "temperature": a.temperature,
-            "seed": 7, "saguaro_c": c}
-    t0 = time.perf_counter()
-    req = urllib.request.Request(f"http://{srv.http_url}/v2/models/ssd/generate", data=json.dumps(body).encode())
-    with urllib.request.urlopen(req, timeout=1800) as r:
-        d = json.loads(r.read())
-    d["stats"] = json.loads(d["stats"])
-    d["latency_s"] = time.perf_counter() - t0
-    return d
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..algorithm.sampling import SamplingParams, probs_from_logits
+from .engine import common_prefix
 
 NEG = -1.0e4  # "minus infinity" for draft logits: exp underflows to 0 without inf/nan in the kernels
 VERIFY_STREAM, DRAFT_STREAM = 1, 2  # same stream ids as workers/target.py and workers/drafter.py
@@ -40,12 +41,6 @@ class VerifyItem:
     want_logits: bool = False
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def round_seed(seed: int, round_index: int, stream: int) -> int:
