@@ -58,7 +58,8 @@ class RequestStats:
             predicted = e_all / (1 + t_d)
         else:
             predicted = 1.0
-        decode_tps = self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+        # decode rate: output tokens after the first (which the prefill produced) over decode time
+        decode_tps = max(self.new_tokens - 1, 0) / self.decode_s if self.decode_s > 0 else 0.0
         return {
             "mode": self.mode,
             "draft_len": self.draft_len,

@@ -105,8 +105,8 @@ class OrchestratorModel:
                         break
             finally:
                 await agen.aclose()
+            gen.stats.new_tokens = len(checker.tokens)  # what the client got, after stop conditions
             stats = gen.stats.to_dict()
-            stats["new_tokens"] = len(checker.tokens)  # what the client got, after stop conditions
             stats["b_star"] = self.shared.policy.b_star()
             # counters first: a client that reads /metrics right after its response sees itself
             self.metrics.request_done(req.decode.mode, status, stats, stats["b_star"])
