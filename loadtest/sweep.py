@@ -1,12 +1,13 @@
 """Load-test sweep: Locust (headless) at each concurrency level x decoding mode against the `ssd` model.
 
 Against a running server (--url http://127.0.0.1:8000, metrics from --metrics-url) or one started
-here: --engine-root/--config like tools/bench_serve.py (target on core 0, drafter on core 1), or
+here: --engine-root/--config like tools/bench/run.py (target on core 0, drafter on core 1), or
 --tiny (the CI engines in build/test_engines: smollm2-135m fp32 target, the same weights in bf16 as
 drafter) for quick smoke runs. Each cell runs `locust -f loadtest/locustfile.py --headless -u N -r N
 --run-time T` (users finish the request in flight, up to --stop-timeout), scrapes /metrics before and
 after, and records requests, failures, output tokens/s, p50/p99 latency, TTFT p50 (StreamUser), and
-the server's backup policy decisions (ssd_policy_decisions_total deltas by reason).
+the mode policy's per-round choices (ssd_policy_decisions_total deltas by choice: ssd+neural,
+ssd+fast, sd, ar) and its predicted tokens/s per choice at the end of the cell.
 
 Outputs under --out (default results/loadtest/): sweep.csv, throughput.png, latency.png, and per
 cell cells/<mode>_u<N>{_stats.csv,_failures.csv,.html,_summary.json,.log}.
@@ -35,7 +36,7 @@ LOOPBACK = ("127.0.0.1", "localhost")
 FIELDS = ["mode", "users", "user_class", "requests", "failures", "rps", "output_tokens", "output_tokens_per_s",
           "latency_p50_ms", "latency_p99_ms", "latency_avg_ms", "ttft_p50_ms", "itl_p50_ms",
           "server_requests_ok", "server_requests_failed", "server_output_tokens", "cache_hits", "cache_misses",
-          "p_hit", "backup_neural", "backup_fast", "policy_choice", "policy_decisions", "rejected_busy",
+          "p_hit", "backup_neural", "backup_fast", "policy_choice", "policy_decisions", "policy_rates", "rejected_busy",
           "locust_rc", "wall_s"]
 
 
@@ -191,10 +192,9 @@ def run_cell(a, url: str, metrics_url: str, mode: str, users: int) -> dict:
     # exact percentiles from the locustfile's own record (Locust's CSV rounds to 2 significant digits)
     lat, ttft = s.get("latency_ms") or [], s.get("ttft_ms") or []
     main = mains[0] if len(mains) == 1 else None
-    policy = by_label(before, after, "ssd_policy_decisions_total", "reason")
-    kinds: dict[str, float] = defaultdict(float)
-    for reason, n in policy.items():
-        kinds[reason.split(":")[0]] += n
+    kinds = by_label(before, after, "ssd_policy_decisions_total", "choice")  # rounds per choice
+    rates = {dict(labels).get("choice"): v for (n, labels), v in after.items()
+             if n == "ssd_policy_predicted_tokens_per_s"}
     backup = by_label(before, after, "ssd_backup_used_total", "kind")
     lookups = by_label(before, after, "ssd_cache_lookups_total", "result")
     hits, misses = lookups.get("hit", 0.0), lookups.get("miss", 0.0)
@@ -217,7 +217,8 @@ def run_cell(a, url: str, metrics_url: str, mode: str, users: int) -> dict:
         "p_hit": round(hits / (hits + misses), 3) if hits + misses else "",
         "backup_neural": int(backup.get("neural", 0)), "backup_fast": int(backup.get("fast", 0)),
         "policy_choice": max(kinds, key=kinds.get) if kinds else "-",
-        "policy_decisions": "; ".join(f"{k}={int(v)}" for k, v in sorted(policy.items())),
+        "policy_decisions": "; ".join(f"{k}={int(v)}" for k, v in sorted(kinds.items())),
+        "policy_rates": "; ".join(f"{k}={v:.2f}" for k, v in sorted(rates.items())) if mode == "ssd" else "",
         "rejected_busy": int(sum(by_label(before, after, "ssd_rejected_busy_total").values())),
         "locust_rc": rc, "wall_s": round(wall, 1),
     }
@@ -276,7 +277,7 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
 
 def markdown(rows: list[dict]) -> str:
     head = ("| mode | users | requests | failures | out tok/s | p50 ms | p99 ms | TTFT p50 ms | p_hit "
-            "| backup (neural/fast) | policy |")
+            "| backup (neural/fast) | rounds by policy choice |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(f"| {r['mode']} | {r['users']} | {r['requests']} | {r['failures']} | {r['output_tokens_per_s']:.1f} "

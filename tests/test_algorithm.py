@@ -5,7 +5,8 @@ import torch
 
 from ssd.algorithm.fanout import FanoutEstimator, geometric_fanout, uniform_fanout
 from ssd.algorithm.ngram import propose
-from ssd.algorithm.policy import BackupPolicy
+from ssd.algorithm.cost_model import StepCost
+from ssd.algorithm.policy import CHOICES, ModePolicy
 from ssd.algorithm.sampling import SamplingParams, probs_from_logits, saguaro
 from ssd.algorithm.spec_cache import candidates
 from ssd.algorithm.verification import verify
@@ -46,16 +47,72 @@ def test_ngram_finds_the_latest_repeat():
     assert propose([1, 2, 3], 2) == [3, 3]  # no repeat: last token, the cheapest guess
 
 
-def test_policy_switches_to_fast_backup_at_large_batch():
-    pol = BackupPolicy()
-    pol.p_hit.value, pol.e_hit.value, pol.t_p.value = 0.8, 3.5, 0.9
-    pol.e_miss["neural"].value, pol.t_b["neural"].value = 3.2, 0.3
-    pol.e_miss["fast"].value, pol.t_b["fast"].value = 1.6, 0.01
-    assert pol.choose(1)[0] == "neural"
-    assert pol.choose(64)[0] == "fast"
-    b = pol.b_star()
-    assert b is not None and pol.choose(b)[0] == "fast" and pol.choose(b - 1)[0] == "neural"
-    assert BackupPolicy(forced="fast").choose(1) == ("fast", "forced by config")
+def _policy(e_draft: float = 3.6, e_hit: float = 3.9, p_hit: float = 0.8, drafter_scale: float = 1.0):
+    """A policy that has measured a bandwidth-bound-then-compute-bound target and drafter."""
+    pol = ModePolicy()
+    for rows, s in ((1, 0.30), (8, 0.30), (32, 0.33), (128, 1.2), (512, 4.8)):
+        pol.target.observe(rows, s)
+    for rows, s in ((1, 0.08), (8, 0.08), (32, 0.10), (128, 0.40), (512, 1.6)):
+        pol.drafter.observe(rows, s * drafter_scale)
+    pol.p_hit.value, pol.e_hit.value = p_hit, e_hit
+    pol.e_miss["neural"].value, pol.e_miss["fast"].value, pol.t_fast.value = e_draft, 1.5, 0.003
+    return pol
+
+
+def test_cost_model_is_flat_then_linear():
+    cost = StepCost()
+    assert cost(8) == 0.0 and not cost.known
+    cost.observe(8, 0.1)
+    cost.observe(128, 1.0)
+    assert cost(2) == 0.1  # below every measurement: weight-bound, flat
+    assert abs(cost(68) - 0.55) < 1e-9  # between: linear interpolation
+    assert abs(cost(256) - 2.0) < 1e-9  # beyond: linear in rows
+    cost.observe(9, 0.3)  # same bucket as 8: a running mean, not a new point
+    assert len(cost.buckets) == 2 and 0.1 < cost(8.2) < 0.3
+
+
+def test_policy_steps_aside_as_batch_grows():
+    pol = _policy()
+    choices = {b: pol.choose(b, 4, 8).choice for b in (1, 2, 4, 8, 16, 32, 64)}
+    assert choices[1] == "ssd+neural"  # free drafting on its own core, most outcomes pre-drafted
+    assert choices[64] in ("sd", "ar")  # the b*B-row speculation tree no longer fits inside a verify
+    rates = pol.rates(64, 4, 8)
+    assert rates[choices[64]] == max(rates.values())
+    d = pol.choose(1, 4, 8)
+    assert d.reason == "policy" and set(d.rates) == set(CHOICES)
+    # poor drafts: at a large batch, draft rows are pure cost and AR wins
+    assert _policy(e_draft=1.1, e_hit=1.2, p_hit=0.3).choose(64, 4, 8).choice == "ar"
+
+
+def test_policy_fast_backup_and_b_star():
+    pol = _policy(drafter_scale=0.5)  # speculation fits inside a verify
+    b = pol.b_star(4, 8)
+    r1 = pol.rates(1, 4, 8)
+    assert r1["ssd+neural"] > r1["ssd+fast"]
+    assert b is not None and b > 1  # the whole batch waits on any miss: the free backup wins at b*
+    rb, rprev = pol.rates(b, 4, 8), pol.rates(b - 1, 4, 8)
+    assert rb["ssd+fast"] > rb["ssd+neural"] and rprev["ssd+fast"] <= rprev["ssd+neural"]
+    forced = ModePolicy(forced_backup="fast")
+    assert forced.choose(1, 4, 8, ("ssd+neural", "ssd+fast")).choice == "ssd+fast"
+
+
+def test_policy_keeps_its_choice_within_hysteresis():
+    pol = _policy()
+    pol.current = "sd"
+    rates = pol.rates(1, 4, 8)
+    best = max(rates, key=rates.get)
+    pol.hysteresis = rates[best] / rates["sd"] - 1 + 0.01  # best is not enough better
+    assert pol.choose(1, 4, 8).choice == "sd"
+    pol.hysteresis = 0.0
+    assert pol.choose(1, 4, 8).choice == best
+
+
+def test_policy_warms_up_and_respects_pins():
+    pol = ModePolicy()
+    d = pol.choose(8, 4, 8)
+    assert (d.choice, d.reason) == ("ssd+neural", "warmup")  # nothing measured yet
+    assert pol.choose(8, 4, 8, ("sd",)).choice == "sd"  # a request pinned to sd
+    assert ModePolicy(forced_mode="ar").choose(1, 4, 8).choice == "ar"
 
 
 def test_greedy_verify_outcomes():

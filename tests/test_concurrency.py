@@ -128,6 +128,12 @@ def test_concurrent_requests_equal_single_requests(server):
         time.sleep(0.25)
     assert got_requests == want_requests
     assert got_tokens == want_tokens
+    # every round of every request is one policy decision (choice + reason) in the metrics
+    d_rounds = _sum(after, "ssd_rounds_total") - _sum(before, "ssd_rounds_total")
+    d_decisions = _sum(after, "ssd_policy_decisions_total") - _sum(before, "ssd_policy_decisions_total")
+    assert d_rounds > 0 and d_decisions == d_rounds
+    assert _sum(after, "ssd_policy_decisions_total", choice="ar", reason="request") > \
+        _sum(before, "ssd_policy_decisions_total", choice="ar", reason="request")
     for status in ("error", "invalid", "cancelled"):
         assert _sum(after, "ssd_requests_total", status=status) == _sum(before, "ssd_requests_total", status=status)
     assert _sum(after, "ssd_rejected_busy_total") == _sum(before, "ssd_rejected_busy_total")

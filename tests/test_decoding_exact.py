@@ -24,11 +24,11 @@ def _client(engines, drafter: str):
     return LocalClient(TargetWorker(engines["target"]), DrafterWorker(engines[drafter]), NgramWorker())
 
 
-async def _generate(client, prompt, cfg, n=N_TOKENS, seq="s", params=None, seed=0):
+async def _generate(client, prompt, cfg, n=N_TOKENS, seq="s", params=None, seed=0, shared=None):
     from ssd.algorithm.sampling import SamplingParams
     from ssd.decoding.generator import Generation
 
-    g = Generation(client, seq, list(prompt), params or SamplingParams(), seed, cfg)
+    g = Generation(client, seq, list(prompt), params or SamplingParams(), seed, cfg, shared)
     out = []
     async for block in g.run():
         out += block
@@ -48,10 +48,12 @@ def ar_outputs(engines, codec):
 
 CONFIGS = [  # (drafter, decode config): K, fan-out shape and budget, backup kind, C
     ("weak", dict(mode="sd", k=1)), ("strong", dict(mode="sd", k=4)), ("weak", dict(mode="sd", k=7)),
-    ("strong", dict(mode="ssd", k=2, fanout_shape="uniform", fanout_budget=3)),
-    ("weak", dict(mode="ssd", k=4, fanout_shape="geometric", fanout_budget=8)),
-    ("weak", dict(mode="ssd", k=3, backup="fast")), ("strong", dict(mode="ssd", k=3, backup="neural")),
-    ("weak", dict(mode="ssd", k=5, saguaro_c=0.0, fanout_budget=12)),
+    ("strong", dict(mode="ssd", k=2, fanout_shape="uniform", fanout_budget=3, step_aside=False)),
+    ("weak", dict(mode="ssd", k=4, fanout_shape="geometric", fanout_budget=8, step_aside=False)),
+    ("weak", dict(mode="ssd", k=3, backup="fast", step_aside=False)),
+    ("strong", dict(mode="ssd", k=3, backup="neural", step_aside=False)),
+    ("weak", dict(mode="ssd", k=5, saguaro_c=0.0, fanout_budget=12, step_aside=False)),
+    ("strong", dict(mode="ssd", k=4)),  # the policy picks SSD / SD / AR per round from what it measures
 ]
 
 
@@ -78,18 +80,54 @@ def test_both_hits_and_misses_happen(engines, codec):
         client = _client(engines, drafter)
         hits = misses = 0
         for prompt in PROMPTS[:3]:
-            _, g = asyncio.run(_generate(client, codec.encode_prompt(prompt), DecodeConfig(mode="ssd", k=3)))
+            _, g = asyncio.run(_generate(client, codec.encode_prompt(prompt), DecodeConfig(mode="ssd", k=3, step_aside=False)))
             hits, misses = hits + g.stats.hits, misses + g.stats.misses
         totals[drafter] = (hits, misses)
     assert sum(h for h, _ in totals.values()) > 0 and sum(m for _, m in totals.values()) > 0, totals
 
 
+def cycling_shared(order):
+    """Server state whose policy switches the choice every round, through ``order``."""
+    from ssd.algorithm.policy import ModePolicy
+    from ssd.decoding.generator import SharedState
+
+    class CyclingPolicy(ModePolicy):
+        def choose(self, batch, k, budget, allowed):
+            self.forced_mode = order[self.rounds % len(order)]
+            self.rounds += 1
+            return super().choose(batch, k, budget, allowed)
+
+    pol = CyclingPolicy()
+    pol.rounds = 0
+    return SharedState(policy=pol)
+
+
+# every transition: ssd->ssd (a cached draft), ssd->sd (the cached draft serves SD), sd->ssd+fast,
+# ssd->ar (the cached draft is dropped), ar->ssd, ssd+fast->sd, sd->ar, ar->ar
+SWITCHES = ["ssd+neural", "ssd+neural", "sd", "ssd+fast", "ar", "ssd+neural", "ar", "ar", "ssd+fast", "sd", "ar"]
+
+
+@pytest.mark.parametrize("drafter", ["strong", "weak"])
+def test_switching_modes_between_rounds_is_exact(engines, codec, ar_outputs, drafter):
+    from ssd.decoding.generator import DecodeConfig
+
+    client = _client(engines, drafter)
+    seen = set()
+    for i, (prompt, ref) in enumerate(zip(PROMPTS, ar_outputs)):
+        shared = cycling_shared(SWITCHES[i % 3:] + SWITCHES[:i % 3])
+        out, g = asyncio.run(_generate(client, codec.encode_prompt(prompt), DecodeConfig(mode="ssd", k=3),
+                                       shared=shared))
+        assert out == ref, f"switching modes diverged on {prompt!r}"
+        seen |= set(g.stats.to_dict()["rounds_by_choice"])
+        assert set(g.stats.source_per_round) <= {"cache", "neural", "fast", "draft", "none"}
+    assert seen == {"ssd+neural", "ssd+fast", "sd", "ar"}
+
+
 class RecordingClient:
-    """Wraps a client and records what speculate returned and what verify decided, per round."""
+    """Wraps a client and records what speculate returned, per round."""
 
     def __init__(self, inner):
         self.inner, self.log = inner, []
-        self._spec = None
 
     async def verify(self, call):
         return await self.inner.verify(call)
@@ -109,8 +147,9 @@ def test_cache_hit_exactly_when_outcome_cached(engines, codec):
 
     client = RecordingClient(_client(engines, "strong"))
     prompt = codec.encode_prompt(PROMPTS[0])
-    g = Generation(client, "hitcheck", prompt, SamplingParams(), 0, DecodeConfig(mode="ssd", k=3, fanout_budget=4))
-    produced, blocks = [], []
+    g = Generation(client, "hitcheck", prompt, SamplingParams(), 0, DecodeConfig(mode="ssd", k=3, fanout_budget=4,
+                                                                                step_aside=False))
+    blocks = []
 
     async def run():
         async for block in g.run():

@@ -42,6 +42,7 @@ from ssd.algorithm import verification  # noqa: E402
 from ssd.algorithm.stats import RequestStats  # noqa: E402
 from ssd.algorithm.sampling import SamplingParams, probs_from_logits, sample, saguaro  # noqa: E402
 from ssd.algorithm.verification import Outcome  # noqa: E402
+from ssd.algorithm.policy import ModePolicy  # noqa: E402
 from ssd.decoding.generator import DecodeConfig, Generation, SharedState  # noqa: E402
 from ssd.engine.engine import ExtendCall, TorchEngine  # noqa: E402
 from ssd.workers import drafter as drafter_mod, target as target_mod  # noqa: E402
@@ -65,6 +66,16 @@ CONFIGS = [("sd", T1, 1.0, "auto"), ("sd", TK, 1.0, "auto"),
            ("ssd", T1, 1.0, "neural"), ("ssd", T1, 0.5, "fast"), ("ssd", TK, 0.5, "neural"), ("ssd", TK, 0.0, "fast")]
 if os.environ.get("SSD_EXACTNESS_FULL") == "1":
     CONFIGS[2:] = [("ssd", p, c, b) for p in (T1, TK) for c in (1.0, 0.5, 0.0) for b in ("neural", "fast")]
+# "switch": an ssd request whose policy changes the choice every round (ssd+neural, sd, ssd+fast, ar)
+CONFIGS.append(("switch", T1, 0.5, "auto"))
+SWITCH_ORDER = ["ssd+neural", "ssd+neural", "sd", "ssd+fast", "ssd+neural", "ar", "sd", "ssd+neural"]
+
+
+class CyclingPolicy(ModePolicy):
+    def choose(self, batch, k, budget, allowed):
+        self.forced_mode = SWITCH_ORDER[self.rounds % len(SWITCH_ORDER)]
+        self.rounds += 1
+        return super().choose(batch, k, budget, allowed)
 
 
 # ------------------------------------------------------------------ fixtures and helpers
@@ -146,8 +157,12 @@ def generate(tiny: dict, mode: str, params: SamplingParams, c: float, backup: st
              tag: str, n: int = N, width: int = 32) -> tuple[list[list[int]], list[RequestStats]]:
     """n generations of L tokens (seeds seed0..seed0+n-1), width of them in flight at a time."""
     client = BatchingClient(TargetWorker(tiny["target"]), DrafterWorker(tiny["drafter"]), NgramWorker())
-    cfg = DecodeConfig(mode=mode, k=K, fanout_budget=FANOUT, saguaro_c=c, backup=backup)
+    cfg = DecodeConfig(mode="ssd" if mode == "switch" else mode, k=K, fanout_budget=FANOUT, saguaro_c=c,
+                       backup=backup, step_aside=mode == "switch")
     shared = SharedState()
+    if mode == "switch":
+        shared.policy = CyclingPolicy()
+        shared.policy.rounds = 0
 
     async def one(i: int, sem: asyncio.Semaphore):
         async with sem:
@@ -290,12 +305,14 @@ def test_sampled_output_follows_target(tiny, mode, params, c, backup):
     # the speculative path was exercised: drafts both accepted and rejected
     accepted = [t - 1 for s in st for t, src in zip(s.tokens_per_round, s.source_per_round) if src != "none"]
     assert sum(a > 0 for a in accepted) > N // 10 and sum(a < K for a in accepted) > N // 10
+    sources = [src for s in st for src in s.source_per_round]
     if mode == "ssd":  # cache hits feed tokens in the window, and misses call the chosen backup
-        sources = [src for s in st for src in s.source_per_round]
         assert sources.count("cache") > N // 20 and sources.count(backup) > N
         assert sum(s.hits for s in st) > N // 20 and sum(s.misses for s in st) > N // 20
+    if mode == "switch":  # every kind of round ran, cache hits included
+        assert all(sources.count(src) > N // 20 for src in ("cache", "neural", "fast", "draft", "none"))
     ps = pvalues(tiny, seqs, st, params)
-    assert mode == "sd" or "PIT cache tokens" in ps
+    assert mode != "ssd" or "PIT cache tokens" in ps
     hits, misses = sum(s.hits for s in st), sum(s.misses for s in st)
     print(f"\n{mode} {params} C={c} {backup}: hits={hits} misses={misses} "
           f"rounds={len(accepted)} mean accepted={np.mean(accepted):.2f}: "

@@ -51,10 +51,15 @@ def reference(engines, codec):
     return out
 
 
-@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd", "ssd-pinned"])
 def test_http_generate_equals_in_process_greedy(server, reference, codec, mode):
+    pinned = mode == "ssd-pinned"  # step_aside false: every round is an SSD round
+    mode = "ssd" if pinned else mode
     for prompt, ref in reference.items():
-        status, body = _post(server, {"text_input": prompt, "max_tokens": MAX_TOKENS, "mode": mode})
+        body = {"text_input": prompt, "max_tokens": MAX_TOKENS, "mode": mode}
+        if pinned:
+            body["step_aside"] = False
+        status, body = _post(server, body)
         assert status == 200, body
         d = json.loads(body)
         assert d["output_ids"] == ref, (mode, prompt)
@@ -63,9 +68,18 @@ def test_http_generate_equals_in_process_greedy(server, reference, codec, mode):
         assert stats["mode"] == mode and stats["new_tokens"] == len(ref)
         if mode != "ar":
             assert stats["rounds"] >= 1 and stats["acceptance_length"] >= 1.0
-        if mode == "ssd":
-            assert stats["cache_hits"] + stats["cache_misses"] >= 1
+        choices = stats["rounds_by_choice"]
+        assert sum(choices.values()) == stats["rounds"]  # every round's choice is reported
+        if mode != "ssd":
+            assert set(choices) == {mode}
+        elif pinned:
+            assert set(choices) <= {"ssd+neural", "ssd+fast"}
+            assert stats["cache_hits"] + stats["cache_misses"] == stats["rounds"]
             assert 0.0 <= stats["p_hit"] <= 1.0
+        else:  # the policy's choice, each SSD round with one cache lookup
+            ssd_rounds = sum(n for c, n in choices.items() if c.startswith("ssd"))
+            assert stats["cache_hits"] + stats["cache_misses"] == ssd_rounds
+            assert set(stats["policy_rates_tok_s"]) <= {"ssd+neural", "ssd+fast", "sd", "ar"}
 
 
 def test_grpc_stream_equals_http(server, reference, codec):

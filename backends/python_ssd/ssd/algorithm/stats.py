@@ -28,8 +28,14 @@ class RequestStats:
     decode_s: float = 0.0
     new_tokens: int = 0
     backup_reasons: Counter = field(default_factory=Counter)
-    last_policy_reason: str = ""
+    decisions: Counter = field(default_factory=Counter)  # "choice: reason" per round (ssd+neural, sd, ar...)
+    last_rates: dict = field(default_factory=dict)  # the policy's predicted tokens/s per choice, last round
     degraded: str = ""  # set when a drafter failed and the request went on without it
+
+    def record_decision(self, choice: str, reason: str, rates: dict) -> None:
+        self.decisions[f"{choice}: {reason}"] += 1
+        if rates:
+            self.last_rates = rates
 
     def record_round(self, produced: int, source: str) -> None:
         self.rounds += 1
@@ -74,7 +80,9 @@ class RequestStats:
             "e_miss": round(e_miss, 4),
             "backup_used": dict(Counter(s for s in self.source_per_round if s in ("neural", "fast"))),
             "backup_reasons": dict(self.backup_reasons),
-            "last_policy_reason": self.last_policy_reason,
+            "policy_decisions": dict(self.decisions),
+            "rounds_by_choice": dict(Counter(k.split(":")[0] for k in self.decisions.elements())),
+            "policy_rates_tok_s": {k: round(v, 3) for k, v in self.last_rates.items()},
             "degraded": self.degraded,
             "t_verify_ms": round(1000 * t_v, 2),
             "t_p": round(t_p, 4),

@@ -7,6 +7,9 @@ later greedy token are the target's own; they differ only in where the drafts co
 - ssd: verify(round T) and speculate(round T+1 for likely outcomes) run at the same time in two
        processes; a cache hit starts the next round at once, a miss calls a backup (neural drafter
        or n-gram) chosen by the policy for the current batch size.
+One loop runs them all: each round asks the mode policy what to do (a request in mode "ssd" with
+step_aside lets it pick SSD, SD or AR per round; "ar" and "sd" requests are pinned). Every round is
+a complete lossless verification whatever produced its draft, so switching between rounds is exact.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from typing import AsyncIterator, Protocol
 
 from ..algorithm.fanout import FanoutEstimator, allocate
 from ..algorithm.ngram import propose
-from ..algorithm.policy import BackupPolicy
+from ..algorithm.policy import CHOICES, Decision, ModePolicy
 from ..algorithm.sampling import SamplingParams
 from ..algorithm.stats import RequestStats
 from ..workers.protocol import (DraftCall, DraftResult, FetchCall, SpeculateCall, SpeculateResult,
@@ -44,6 +47,14 @@ class DecodeConfig:
     fanout_shape: str = "geometric"
     saguaro_c: float = 1.0
     backup: str = "auto"
+    step_aside: bool = True  # ssd only: the policy may run SD or AR rounds when they predict more
+
+    def allowed(self) -> tuple[str, ...]:
+        """The choices the policy may make for this request."""
+        if self.mode != "ssd":
+            return (self.mode,)
+        ssd = ("ssd+neural", "ssd+fast") if self.backup == "auto" else (f"ssd+{self.backup}",)
+        return ssd + (("sd", "ar") if self.step_aside else ())
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -63,7 +74,7 @@ class SharedState:
     """Server-wide estimates every request learns from (and feeds)."""
 
     estimator: FanoutEstimator = field(default_factory=FanoutEstimator)
-    policy: BackupPolicy = field(default_factory=BackupPolicy)
+    policy: ModePolicy = field(default_factory=ModePolicy)
     active: int = 0  # sequences currently decoding: the batch size the policy plans for
 
 
@@ -95,87 +106,62 @@ class Generation:
         try:
             t0 = time.perf_counter()
             first = await self.c.verify(self._verify(self.prompt, []))
+            self.shared.policy.observe_timing("target", first.timing)
             self.stats.prefill_s = time.perf_counter() - t0
             prefix = self.prompt + [first.token]
             self.round += 1
             self.stats.new_tokens = 1
             yield [first.token]
             t_dec = time.perf_counter()
-            loop = {"ar": self._ar, "sd": self._sd, "ssd": self._ssd}[self.cfg.mode]
-            async for block in loop(prefix):
+            async for block in self._rounds(prefix):
                 self.stats.decode_s = time.perf_counter() - t_dec
                 self.stats.new_tokens += len(block)
                 yield block
         finally:
             self.shared.active -= 1
 
-    async def _ar(self, prefix):
-        while True:
-            r, dt = await _timed(self.c.verify(self._verify(prefix, [])))
-            self.stats.t_verify += dt
-            self.stats.record_round(1, "none")
-            self.round += 1
-            prefix = prefix + [r.token]
-            yield [r.token]
-
+    # -- drafting ----------------------------------------------------------------------------------
     def _degrade(self, what: str, err: Exception) -> None:
         """A drafter failure costs speed, never correctness: drafts come from the n-gram backup
         (or nothing) from now on; the target alone decides every token either way."""
         self.drafter_ok = False
         self.stats.degraded = f"{what} failed ({type(err).__name__}: {err}); continuing without the drafter"
 
-    async def _fallback_draft(self, prefix) -> DraftResult:
+    async def _fast_draft(self, prefix) -> DraftResult:
+        t0 = time.perf_counter()
         try:
-            return await self.c.fast_draft(self._draft_call(prefix, []))
+            d = await self.c.fast_draft(self._draft_call(prefix, []))
         except Exception:  # noqa: BLE001 - no backup either: an AR step (empty draft)
             return DraftResult([], None)
+        self.shared.policy.t_fast.update(time.perf_counter() - t0)
+        return d
 
-    async def _sd(self, prefix):
-        while True:
-            t0 = time.perf_counter()
-            try:
-                if not self.drafter_ok:
-                    raise RuntimeError("drafter unavailable")
-                d = await self.c.draft(self._draft_call(prefix, []))
-            except Exception as e:  # noqa: BLE001
-                if self.drafter_ok:
-                    self._degrade("draft", e)
-                d = await self._fallback_draft(prefix)
-            self.stats.t_draft += time.perf_counter() - t0
-            r, dt = await _timed(self.c.verify(self._verify(prefix, d.tokens, d.probs)))
-            self.stats.t_verify += dt
-            block = d.tokens[:r.accepted] + [r.token]
-            self.stats.record_round(len(block), "draft")
-            self.shared.estimator.record_round(r.accepted, len(d.tokens))
-            self.round += 1
-            prefix = prefix + block
-            yield block
+    async def _neural_draft(self, prefix, fanout, c) -> tuple[DraftResult, str]:
+        if not self.drafter_ok:
+            return await self._fast_draft(prefix), "fast"
+        try:
+            d = await self.c.draft(self._draft_call(prefix, fanout, c))
+        except Exception as e:  # noqa: BLE001
+            self._degrade("draft", e)
+            return await self._fast_draft(prefix), "fast"
+        self.shared.policy.observe_timing("drafter", d.timing)
+        return d, "neural"
 
-    async def _backup(self, prefix, fanout) -> tuple[DraftResult, str]:
-        pol = self.shared.policy
-        if self.cfg.backup == "auto":
-            kind, reason = pol.choose(self.shared.active)
-            why = "forced by config" if pol.forced else "policy"
-        else:
-            kind, reason, why = self.cfg.backup, "requested", "request"
-        self.stats.backup_reasons[f"{kind}: {why}"] += 1
-        self.stats.last_policy_reason = reason
-        call = self._draft_call(prefix, fanout, self.cfg.saguaro_c)
-        if kind == "neural" and not self.drafter_ok:
-            kind = "fast"
+    async def _draft_for(self, d: Decision, prefix, fanout) -> tuple[DraftResult, str]:
+        """The draft of a round that has no cached speculation: SD's, or an SSD backup's."""
         t0 = time.perf_counter()
-        if kind == "fast":
-            d = await self._fallback_draft(prefix)
+        if d.mode == "sd":
+            draft, source = await self._neural_draft(prefix, [], 1.0)
+            source = "draft" if source == "neural" else source
+            self.stats.t_draft += time.perf_counter() - t0
+            return draft, source
+        self.stats.backup_reasons[f"{d.backup}: {d.reason}"] += 1
+        if d.backup == "fast":
+            draft, source = await self._fast_draft(prefix), "fast"
         else:
-            try:
-                d = await self.c.draft(call)
-            except Exception as e:  # noqa: BLE001
-                self._degrade("neural backup", e)
-                kind, d = "fast", await self._fallback_draft(prefix)
-        dt = time.perf_counter() - t0
-        self.stats.t_backup += dt
-        pol.t_b[kind].update(dt / max(pol_tv(self.stats), 1e-6))
-        return d, kind
+            draft, source = await self._neural_draft(prefix, fanout, self.cfg.saguaro_c)
+        self.stats.t_backup += time.perf_counter() - t0
+        return draft, source
 
     async def _verify_and_speculate(self, prefix, draft, spec):
         """Both at once, in two processes. A failed speculation is a miss; a failed verify is fatal."""
@@ -189,55 +175,73 @@ class Generation:
             spec_out = None
         return verify_out, spec_out
 
-    async def _ssd(self, prefix):
+    def _decide(self) -> Decision:
+        allowed = self.cfg.allowed()
+        if not self.drafter_ok:  # only the target and the n-gram backup are left
+            allowed = ("ar",) if self.cfg.mode == "ar" else ("ssd+fast", "ar")
+            d = self.shared.policy.choose(self.shared.active, self.cfg.k, self.cfg.fanout_budget, allowed)
+            d.reason = "drafter down"
+            return d
+        return self.shared.policy.choose(self.shared.active, self.cfg.k, self.cfg.fanout_budget, allowed)
+
+    # -- the rounds ---------------------------------------------------------------------------------
+    async def _rounds(self, prefix):
         cfg, est, pol = self.cfg, self.shared.estimator, self.shared.policy
-        fanout = allocate(cfg.fanout_shape, cfg.k, cfg.fanout_budget, est)
-        draft, source = await self._backup(prefix, fanout)
+        cached: DraftResult | None = None  # this round's draft, pre-drafted by the last speculation
         while True:
+            d = self._decide()
+            self.stats.record_decision(d.choice, d.reason, d.rates)
             fanout = allocate(cfg.fanout_shape, cfg.k, cfg.fanout_budget, est)
-            spec = SpeculateCall(self.seq_id, prefix, draft.tokens, cfg.k, fanout, self.params, self.seed,
-                                 self.round, cfg.saguaro_c)
-            if self.drafter_ok:
+            if d.mode == "ar":
+                draft, source = DraftResult([], None), "none"
+            elif cached is not None:
+                draft, source = cached, "cache"
+            else:
+                draft, source = await self._draft_for(d, prefix, fanout)
+            speculate = d.mode == "ssd" and self.drafter_ok
+            if speculate:
+                spec = SpeculateCall(self.seq_id, prefix, draft.tokens, cfg.k, fanout, self.params, self.seed,
+                                     self.round, cfg.saguaro_c)
                 (r, tv), spec_out = await self._verify_and_speculate(prefix, draft, spec)
             else:
                 (r, tv), spec_out = await _timed(self.c.verify(self._verify(prefix, draft.tokens, draft.probs))), None
             s, tp = spec_out if spec_out is not None else (SpeculateResult({}), 0.0)
+            pol.observe_timing("target", r.timing)
+            pol.observe_timing("drafter", s.timing)
             self.stats.t_verify += tv
             self.stats.t_speculate += tp
             block = draft.tokens[:r.accepted] + [r.token]
             self.stats.record_round(len(block), source)
-            est.record_round(r.accepted, len(draft.tokens))
-            # what the n-gram backup would have proposed here: its E_miss, measured for free
-            guess = propose(prefix, cfg.k)
-            n_ok = next((i for i, (a, b) in enumerate(zip(guess, block)) if a != b), min(len(guess), len(block) - 1))
-            pol.e_miss["fast"].update(n_ok + 1)
-            if source == "cache":
-                pol.e_hit.update(len(block))
-            elif source == "neural":
-                pol.e_miss["neural"].update(len(block))
-            pol.t_p.update(tp / max(tv, 1e-6))
+            if draft.tokens:
+                est.record_round(r.accepted, len(draft.tokens))
+            self._learn(prefix, block, source)
             key = (r.accepted, r.token)
             hit = key in s.branches
-            est.record_lookup(fanout[r.accepted], hit)
-            pol.p_hit.update(float(hit))
-            if hit:
-                self.stats.hits += 1
-            else:
-                self.stats.misses += 1
+            if speculate:
+                est.record_lookup(fanout[r.accepted], hit)
+                pol.p_hit.update(float(hit))
+                self.stats.hits += hit
+                self.stats.misses += not hit
             self.round += 1
             prefix = prefix + block
             yield block
+            cached = None
             if hit and not self.params.greedy:
                 try:  # sampled: the verifier needs the q' rows the branch was drawn from
-                    probs = (await self.c.fetch(FetchCall(self.seq_id, key))).probs
+                    cached = DraftResult(s.branches[key], (await self.c.fetch(FetchCall(self.seq_id, key))).probs)
                 except Exception as e:  # noqa: BLE001
                     self._degrade("fetch", e)
-                    hit = False
-            if hit:
-                draft, source = DraftResult(s.branches[key], None if self.params.greedy else probs), "cache"
-            else:
-                draft, source = await self._backup(prefix, fanout)
+            elif hit:
+                cached = DraftResult(s.branches[key], None)
 
-
-def pol_tv(stats: RequestStats) -> float:  # mean verify time so far
-    return stats.t_verify / stats.rounds if stats.rounds else 0.0
+    def _learn(self, prefix, block, source) -> None:
+        """Acceptance per draft source; and what the n-gram backup would have proposed here, scored
+        against the target's tokens: its E_miss, measured for free."""
+        pol = self.shared.policy
+        guess = propose(prefix, self.cfg.k)
+        n_ok = next((i for i, (a, b) in enumerate(zip(guess, block)) if a != b), min(len(guess), len(block) - 1))
+        pol.e_miss["fast"].update(n_ok + 1)
+        if source == "cache":
+            pol.e_hit.update(len(block))
+        elif source in ("neural", "draft"):
+            pol.e_miss["neural"].update(len(block))

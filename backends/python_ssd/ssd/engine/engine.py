@@ -101,10 +101,22 @@ class TorchEngine:
         self.max_len = max_len or self.config.max_position
         self.sequences: dict[str, Sequence] = {}
         self.folder = folder
+        self.timing: list[tuple[int, float]] = []
 
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    def _timed_forward(self, batch: list, exact: bool) -> list[torch.Tensor]:
+        t0 = time.perf_counter()
+        out = self.model.forward(batch, exact=exact)
+        self.timing.append((sum(len(b.tokens) for b in batch), time.perf_counter() - t0))
+        return out
+
+    def take_timing(self) -> list[tuple[int, float]]:
+        """(rows, seconds) of every forward since the last call: what the mode policy learns from."""
+        out, self.timing = self.timing, []
+        return out
 
     # -- sequence bookkeeping -------------------------------------------------------------------
     def _seq(self, seq_id: str) -> Sequence:
@@ -145,7 +157,10 @@ class TorchEngine:
             start = min(common_prefix(s.tokens, c.tokens), len(c.tokens) - n_logits)
             new = c.tokens[start:]
             n_real = len(new)
-            pad = self.step_rows - n_real if 0 < n_real <= self.step_rows else 0
+            # Only a lone sequence is padded: that makes batch-1 AR, SD and SSD bit-identical; once
+            # several sequences share a forward its shape varies anyway, and padding every row to
+            # step_rows would make AR at batch 16 pay for 128 rows instead of 16.
+            pad = self.step_rows - n_real if (len(calls) == 1 and 0 < n_real <= self.step_rows) else 0
             # Padding rows repeat the last token at later positions; their K/V land in slots past
             # the committed length and are never seen by real rows (causality), then forgotten.
             toks = torch.tensor(new + [new[-1]] * pad, dtype=torch.long)
@@ -153,7 +168,7 @@ class TorchEngine:
             logits_from = 0 if pad else n_real - n_logits
             batch.append(RowBatch(toks, pos, s.kv, start, None, logits_from))
             wants.append((s, c.tokens, n_real, n_logits, logits_from))
-        out = self.model.forward(batch, exact=self.exact)
+        out = self._timed_forward(batch, self.exact)
         result = []
         for logits, (s, tokens, n_real, n_logits, logits_from) in zip(out, wants):
             s.tokens = list(tokens)
@@ -188,7 +203,7 @@ class TorchEngine:
                                   torch.tensor(c.positions, dtype=torch.long), s.kv, start, visible, 0))
             slots_out.append(list(range(start, start + n)))
             s.scratch_end = start + n
-        out = self.model.forward(batch, exact=False)
+        out = self._timed_forward(batch, False)
         return list(zip(out, slots_out))
 
     def commit_branch(self, seq_id: str, prefix_len: int, slots: list[int], tokens: list[int]) -> None:

@@ -16,7 +16,12 @@ class Metrics:
             "rounds": fam("ssd_rounds_total", "Decoding rounds (target verifies), by mode", C),
             "lookups": fam("ssd_cache_lookups_total", "Speculation cache lookups, by result", C),
             "backup": fam("ssd_backup_used_total", "Drafts made by a backup after a miss, by kind", C),
-            "policy": fam("ssd_policy_decisions_total", "Backup policy decisions, by kind and reason", C),
+            "policy": fam("ssd_policy_decisions_total",
+                          "Per-round decisions of the mode policy, by choice (ssd+neural, ssd+fast, sd, ar) and reason", C),
+            "backup_policy": fam("ssd_backup_decisions_total", "Backup kind chosen after a cache miss, by kind and reason", C),
+            "rate": fam("ssd_policy_predicted_tokens_per_s",
+                        "Tokens/s per sequence the policy predicts for each choice at the current batch", G),
+            "current": fam("ssd_policy_current_choice", "1 for the choice the policy currently runs", G),
             "active": fam("ssd_active_requests", "Requests currently decoding (the batch the policy plans for)", G),
             "queue": fam("ssd_rejected_busy_total", "Requests refused because the server was at capacity", C),
             "bstar": fam("ssd_policy_b_star", "Smallest batch size at which the fast backup wins (0: never)", G),
@@ -41,6 +46,11 @@ class Metrics:
     def busy(self) -> None:
         self._metric("queue").increment(1)
 
+    def policy_state(self, current: str, rates: dict[str, float]) -> None:
+        for choice, r in rates.items():
+            self._metric("rate", choice=choice).set(r)
+            self._metric("current", choice=choice).set(1.0 if choice == current else 0.0)
+
     def request_done(self, mode: str, status: str, stats: dict | None, b_star: int | None) -> None:
         self._metric("requests", mode=mode, status=status).increment(1)
         if not stats:
@@ -53,8 +63,12 @@ class Metrics:
             self._metric("lookups", result="miss").increment(stats["cache_misses"])
         for kind, n in stats["backup_used"].items():
             self._metric("backup", kind=kind).increment(n)
-        for reason, n in stats["backup_reasons"].items():
-            self._metric("policy", reason=reason).increment(n)
+        for key, n in stats["backup_reasons"].items():
+            kind, _, reason = key.partition(": ")
+            self._metric("backup_policy", kind=kind, reason=reason).increment(n)
+        for key, n in stats["policy_decisions"].items():
+            choice, _, reason = key.partition(": ")
+            self._metric("policy", choice=choice, reason=reason).increment(n)
         if self._hist is not None:
             h = self._metric("hist", mode=mode)
             for a in stats["accepted_per_round"]:

@@ -13,7 +13,7 @@ import uuid
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ..algorithm.policy import BackupPolicy
+from ..algorithm.policy import CHOICES, ModePolicy
 from ..decoding.generator import DecodeConfig, Generation, SharedState
 from ..decoding.stopping import StopChecker
 from ..decoding.text import TextCodec
@@ -33,10 +33,15 @@ class OrchestratorModel:
         self.defaults = DecodeConfig(
             mode=_p(params, "default_mode", "ssd"), k=int(_p(params, "num_draft_tokens", "4")),
             fanout_budget=int(_p(params, "fanout_budget", "8")), fanout_shape=_p(params, "fanout_shape", "geometric"),
-            saguaro_c=float(_p(params, "saguaro_c", "1.0")), backup=_p(params, "backup", "auto"))
+            saguaro_c=float(_p(params, "saguaro_c", "1.0")), backup=_p(params, "backup", "auto"),
+            step_aside=_p(params, "step_aside", "true").lower() == "true")
         self.defaults.validate()
-        forced = _p(params, "force_backup", "")
-        self.shared = SharedState(policy=BackupPolicy(forced=forced or None))
+        forced, force_mode = _p(params, "force_backup", ""), _p(params, "force_mode", "")
+        if forced not in ("", "neural", "fast"):
+            raise ValueError(f"parameter force_backup must be '', 'neural' or 'fast', got {forced!r}")
+        if force_mode not in ("",) + CHOICES:
+            raise ValueError(f"parameter force_mode must be '' or one of {CHOICES}, got {force_mode!r}")
+        self.shared = SharedState(policy=ModePolicy(forced_backup=forced or None, forced_mode=force_mode or None))
         self.default_max_tokens = int(_p(params, "default_max_tokens", "128"))
         self.max_tokens_limit = int(_p(params, "max_tokens_limit", "2048"))
         self.max_seq_len = int(_p(params, "max_seq_len", "4096"))
@@ -107,9 +112,12 @@ class OrchestratorModel:
                 await agen.aclose()
             gen.stats.new_tokens = len(checker.tokens)  # what the client got, after stop conditions
             stats = gen.stats.to_dict()
-            stats["b_star"] = self.shared.policy.b_star()
+            pol, dc = self.shared.policy, req.decode
+            stats["b_star"] = pol.b_star(dc.k, dc.fanout_budget)
             # counters first: a client that reads /metrics right after its response sees itself
             self.metrics.request_done(req.decode.mode, status, stats, stats["b_star"])
+            self.metrics.policy_state(pol.current, pol.rates(max(self.active, 1), dc.k, dc.fanout_budget)
+                                      if pol.target.known and pol.drafter.known else {})
             if status == "cancelled":
                 sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             else:

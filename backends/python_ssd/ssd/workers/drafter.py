@@ -16,7 +16,7 @@ import torch
 from ..algorithm.sampling import probs_from_logits, round_generator, saguaro, sample
 from ..algorithm.spec_cache import Branch, SpeculationCache, candidates
 from ..engine.engine import ExtendCall, TorchEngine, TreeCall
-from .protocol import DraftCall, DraftResult, FetchCall, SpeculateCall, SpeculateResult
+from .protocol import DraftCall, DraftResult, FetchCall, SpeculateCall, SpeculateResult, attach_timing
 
 DRAFT_STREAM, SPEC_STREAM = 2, 3
 
@@ -53,7 +53,8 @@ class DrafterWorker:
                 seqs[i].append(t)
                 if q is not None:
                     rows[i].append(q)
-        return [DraftResult(t, torch.stack(r) if r else None) for t, r in zip(toks, rows)]
+        out = [DraftResult(t, torch.stack(r) if r else None) for t, r in zip(toks, rows)]
+        return attach_timing(out, self.engine.take_timing())
 
     # -- speculation for every likely outcome of the round being verified -------------------------
     def speculate(self, calls: list[SpeculateCall]) -> list[SpeculateResult]:
@@ -98,7 +99,7 @@ class DrafterWorker:
                 cache.put(key, Branch(t, torch.stack(q) if q else None))
             self.caches[c.seq_id] = cache
             out.append(SpeculateResult({key: t for key, t in zip(keys, toks)}))
-        return out
+        return attach_timing(out, self.engine.take_timing())
 
     def fetch(self, calls: list[FetchCall]) -> list[DraftResult]:
         out = []

@@ -28,6 +28,7 @@ class VerifyCall:
 class VerifyResult:
     accepted: int
     token: int
+    timing: list = field(default_factory=list)  # [(rows, seconds)] of the engine's forwards, see below
 
 
 @dataclass
@@ -46,6 +47,7 @@ class DraftCall:
 class DraftResult:
     tokens: list[int]
     probs: torch.Tensor | None = None  # [k, V]; None when greedy or deterministic
+    timing: list = field(default_factory=list)
 
 
 @dataclass
@@ -64,6 +66,7 @@ class SpeculateCall:
 @dataclass
 class SpeculateResult:
     branches: dict[tuple[int, int], list[int]]  # outcome (k, t*) -> pre-drafted tokens
+    timing: list = field(default_factory=list)
 
 
 @dataclass
@@ -107,14 +110,23 @@ def decode_call(payload: bytes, probs: torch.Tensor | None):
     return op, call
 
 
+def attach_timing(results: list, timing: list) -> list:
+    """A batched call's forwards are reported once (on its first result): the orchestrator feeds
+    them to one server-wide cost model, so every sequence of the batch need not repeat them."""
+    if results:
+        results[0].timing = [[int(r), float(s)] for r, s in timing]
+    return results
+
+
 def encode_result(result) -> tuple[bytes, torch.Tensor | None]:
     if result is None:
         return b"{}", None
+    timing = getattr(result, "timing", [])
     if isinstance(result, SpeculateResult):
-        d = {"branches": [[k, t, toks] for (k, t), toks in result.branches.items()]}
+        d = {"branches": [[k, t, toks] for (k, t), toks in result.branches.items()], "timing": timing}
         return json.dumps(d).encode(), None
     if isinstance(result, DraftResult):
-        return json.dumps({"tokens": result.tokens}).encode(), result.probs
+        return json.dumps({"tokens": result.tokens, "timing": timing}).encode(), result.probs
     return json.dumps(asdict(result)).encode(), None
 
 
@@ -124,6 +136,7 @@ def decode_result(op: str, payload: bytes, probs: torch.Tensor | None):
         return VerifyResult(**d)
     if op == "release":
         return None
+    timing = d.get("timing", [])
     if op == "speculate":
-        return SpeculateResult({(k, t): toks for k, t, toks in d["branches"]})
-    return DraftResult(d["tokens"], probs if probs is not None and probs.numel() else None)
+        return SpeculateResult({(k, t): toks for k, t, toks in d["branches"]}, timing)
+    return DraftResult(d["tokens"], probs if probs is not None and probs.numel() else None, timing)

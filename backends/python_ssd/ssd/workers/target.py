@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..algorithm.sampling import round_generator
 from ..algorithm.verification import verify
 from ..engine.engine import ExtendCall, TorchEngine
-from .protocol import VerifyCall, VerifyResult
+from .protocol import VerifyCall, VerifyResult, attach_timing
 
 VERIFY_STREAM = 1
 
@@ -25,10 +25,8 @@ class TargetWorker:
         for c, lg in zip(calls, logits):
             g = None if c.params.greedy else round_generator(c.seed, c.round, VERIFY_STREAM)
             o = verify(lg, c.draft, c.draft_probs, c.params, g)
-            # Rejected draft positions are rolled back now; the next call reuses the accepted prefix.
-            self.engine.truncate(c.seq_id, len(c.tokens) + o.accepted)
             out.append(VerifyResult(o.accepted, o.token))
-        return out
+        return attach_timing(out, self.engine.take_timing())
 
     def release(self, seq_id: str) -> None:
         self.engine.release(seq_id)

@@ -1,0 +1,50 @@
+"""How long one forward of an engine takes for a given number of rows, learned from the engines.
+
+Every engine reports (rows, seconds) for each forward it runs; prefills give the large-row points,
+decode steps and verifies the small ones. On CPU (and GPU) a forward is flat while it is bound by
+reading the weights and grows ~linearly once it is bound by compute, so a piecewise-linear curve
+through per-bucket running means (buckets are powers of two) is enough to compare modes that put
+different numbers of rows through the same engines.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepCost:
+    alpha: float = 0.2  # weight of a new sample in its bucket's running mean
+    buckets: dict[int, list[float]] = field(default_factory=dict)  # log2 bucket -> [mean rows, mean s, n]
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows <= 0 or seconds <= 0:
+            return
+        key = int(round(math.log2(rows)))
+        b = self.buckets.get(key)
+        if b is None:
+            self.buckets[key] = [float(rows), float(seconds), 1]
+            return
+        b[0] += self.alpha * (rows - b[0])
+        b[1] += self.alpha * (seconds - b[1])
+        b[2] += 1
+
+    @property
+    def known(self) -> bool:
+        return bool(self.buckets)
+
+    def __call__(self, rows: float) -> float:
+        """Predicted seconds for one forward of ``rows`` rows (0 when nothing was measured yet)."""
+        pts = sorted((r, s) for r, s, _ in self.buckets.values())
+        if not pts or rows <= 0:
+            return 0.0
+        if rows <= pts[0][0]:
+            return pts[0][1]  # below the smallest measured forward: weight-bound, flat
+        for (r0, s0), (r1, s1) in zip(pts, pts[1:]):
+            if rows <= r1:
+                return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+        r, s = pts[-1]
+        return s * rows / r  # beyond every measurement: assume compute-bound (linear in rows)
+
+    def snapshot(self) -> dict[int, float]:
+        return {int(round(r)): round(s, 5) for r, s, _ in sorted(self.buckets.values())}
