@@ -10,32 +10,16 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
+from ..workers.factory import build_worker
 from ..workers.protocol import decode_call, encode_result
 from .roles import resolve_engine_dir
-
-
-def _build_worker(role: str, params: dict[str, str]):
-    if role == "fast_backup":
-        from ..workers.fast_backup import NgramWorker
-        return NgramWorker(int(params.get("ngram_max", "4") or 4), int(params.get("ngram_min", "1") or 1))
-    from ..engine.engine import TorchEngine
-    engine = TorchEngine(resolve_engine_dir(params["engine"]), dtype=params.get("dtype") or None,
-                         threads=int(params.get("threads") or 0) or None,
-                         step_rows=int(params.get("step_rows") or 0),
-                         exact=params.get("exact_attention", "true").lower() == "true",
-                         max_sequences=int(params.get("max_sequences") or 64),
-                         head_vocab=int(params.get("head_vocab") or 0))
-    if role == "target":
-        from ..workers.target import TargetWorker
-        return TargetWorker(engine)
-    from ..workers.drafter import DrafterWorker
-    return DrafterWorker(engine)
 
 
 class EngineModel:
     def __init__(self, config: dict, params: dict[str, str], role: str):
         self.role = role
-        self.worker = _build_worker(role, params)
+        engine = params.get("engine")
+        self.worker = build_worker(role, params, resolve_engine_dir(engine) if engine else None)
 
     def execute(self, requests):
         responses = [None] * len(requests)

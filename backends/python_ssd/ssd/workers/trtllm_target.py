@@ -7,8 +7,10 @@ GPU steps. Rejected draft tokens need no rollback: block reuse is keyed by token
 """
 from __future__ import annotations
 
+import time
+
 from ..engine.trtllm_engine import TrtllmEngine, VerifyItem
-from .protocol import VerifyCall, VerifyResult
+from .protocol import VerifyCall, VerifyResult, attach_timing
 
 
 class TrtllmTargetWorker:
@@ -19,7 +21,11 @@ class TrtllmTargetWorker:
 
     def verify(self, calls: list[VerifyCall]) -> list[VerifyResult]:
         items = [VerifyItem(c.seq_id, c.tokens, c.draft, c.params, c.draft_probs, c.seed, c.round) for c in calls]
-        return [VerifyResult(accepted, token) for accepted, token, _ in self.engine.verify_batch(items)]
+        t0 = time.perf_counter()
+        out = [VerifyResult(accepted, token) for accepted, token, _ in self.engine.verify_batch(items)]
+        # in-flight batching runs these as one step: report it as one forward of all their rows
+        rows = sum(len(c.draft) + 1 for c in calls)
+        return attach_timing(out, [(rows, time.perf_counter() - t0)])
 
     def release(self, seq_id: str) -> None:
         self.engine.release(seq_id)

@@ -1,0 +1,37 @@
+"""Builds the worker an engine model serves, from its config parameters (no Triton imports here).
+
+`engine_backend` picks the runtime: `torch` (the CPU/GPU torch engine, every role) or
+`tensorrt_llm` (the target only: TensorRT-LLM verifies drafts natively with draft_tokens_external;
+speculation needs tree rows over a shared prefix, which only the torch engine runs).
+"""
+from __future__ import annotations
+
+BACKENDS = ("torch", "tensorrt_llm")
+
+
+def build_worker(role: str, params: dict[str, str], engine_dir: str | None):
+    if role == "fast_backup":
+        from .fast_backup import NgramWorker
+        return NgramWorker(int(params.get("ngram_max", "4") or 4), int(params.get("ngram_min", "1") or 1))
+    backend = params.get("engine_backend") or "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"parameter 'engine_backend' must be one of {BACKENDS}, got {backend!r}")
+    if backend == "tensorrt_llm":
+        if role != "target":
+            raise ValueError(f"parameter 'engine_backend': tensorrt_llm serves the target only; the {role} "
+                             "speculates with tree rows, which needs engine_backend 'torch'")
+        from ..engine.trtllm_engine import TrtllmEngine
+        from .trtllm_target import TrtllmTargetWorker
+        return TrtllmTargetWorker(TrtllmEngine(engine_dir))
+    from ..engine.engine import TorchEngine
+    engine = TorchEngine(engine_dir, dtype=params.get("dtype") or None,
+                         threads=int(params.get("threads") or 0) or None,
+                         step_rows=int(params.get("step_rows") or 0),
+                         exact=params.get("exact_attention", "true").lower() == "true",
+                         max_sequences=int(params.get("max_sequences") or 64),
+                         head_vocab=int(params.get("head_vocab") or 0))
+    if role == "target":
+        from .target import TargetWorker
+        return TargetWorker(engine)
+    from .drafter import DrafterWorker
+    return DrafterWorker(engine)
