@@ -56,6 +56,8 @@ def _policy(e_draft: float = 3.6, e_hit: float = 3.9, p_hit: float = 0.8, drafte
         pol.drafter.observe(rows, s * drafter_scale)
     pol.p_hit.value, pol.e_hit.value = p_hit, e_hit
     pol.e_miss["neural"].value, pol.e_miss["fast"].value, pol.t_fast.value = e_draft, 1.5, 0.003
+    pol.e_hit.count = 1
+    pol.explore_new = pol.explore_every = 10**9  # these tests check the prediction, not exploration
     return pol
 
 
@@ -107,10 +109,38 @@ def test_policy_keeps_its_choice_within_hysteresis():
     assert pol.choose(1, 4, 8).choice == best
 
 
+def test_policy_calibrates_each_choice_from_measured_rounds():
+    pol = _policy()
+    model = pol.model_rates(4, 4, 8)
+    for _ in range(30):  # SD rounds run at half the predicted speed (overheads the formula misses)
+        pol.observe_round("sd", 3, 3 / (0.5 * model["sd"]), 4, 4, 8)
+    assert abs(pol.rates(4, 4, 8)["sd"] / model["sd"] - 0.5) < 1e-6
+    assert pol.rates(4, 4, 8)["ar"] == model["ar"]  # other choices keep their own factor
+
+
+def test_policy_explores_choices_it_has_not_measured():
+    pol = _policy()
+    pol.explore_new, pol.explore_every = 8, 64
+    seen = []
+    for _ in range(300):
+        d = pol.choose(1, 4, 8)
+        seen.append(d)
+        pol.observe_round(d.choice, 3, 3 / pol.model_rates(1, 4, 8)[d.choice], 1, 4, 8)  # as predicted
+    explored = [d.choice for d in seen if d.reason == "explore"]
+    assert set(explored) == set(CHOICES) - {"ssd+neural"}  # every choice the policy does not run got tried
+    assert all(explored.count(c) >= 3 for c in set(explored))  # until it has 3 measurements
+    assert len(explored) < 0.1 * len(seen)  # and then only now and then
+    assert all(d.choice == "ssd+neural" for d in seen if d.reason == "policy")
+
+
 def test_policy_warms_up_and_respects_pins():
     pol = ModePolicy()
     d = pol.choose(8, 4, 8)
     assert (d.choice, d.reason) == ("ssd+neural", "warmup")  # nothing measured yet
+    fresh, measured = _policy(), _policy()
+    fresh.e_hit.count, fresh.e_hit.value = 0, 0.1  # SSD never ran: E_hit is taken as E_sd
+    measured.e_hit.value = measured.e_miss["neural"].value
+    assert fresh.model_rates(1, 4, 8) == measured.model_rates(1, 4, 8)
     assert pol.choose(8, 4, 8, ("sd",)).choice == "sd"  # a request pinned to sd
     assert ModePolicy(forced_mode="ar").choose(1, 4, 8).choice == "ar"
 

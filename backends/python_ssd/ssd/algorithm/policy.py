@@ -16,8 +16,13 @@ The whole batch waits for any row that misses (probability 1 - p^b), and the spe
 b B rows through the drafter per step, so SSD's edge shrinks as b grows: a fast backup first, then
 plain SD (no tree), then AR (no draft rows at all) take over once they predict more tokens/s.
 E_miss(fast) is measured for free: after each round we score what the n-gram lookup would have
-proposed. A choice only replaces the current one when it predicts at least ``hysteresis`` more, so
-the batch does not flap between modes on noise.
+proposed; until SSD has run, E_hit is taken as E_sd (a cached branch is what SD would have drafted).
+The formulas count forward time only; what they miss (Python, BLS, sampling) is learned as one
+calibration factor per choice, measured tokens/s over predicted, from the rounds each choice ran.
+Statistics only come from running a choice, so one that has not run for a while gets a single
+round (``explore``): 1 in 8 rounds while it has fewer than 3 measurements, 1 in 64 after.
+A choice only replaces the current one when it predicts at least ``hysteresis`` more, so the batch
+does not flap between modes on noise.
 """
 from __future__ import annotations
 
@@ -35,8 +40,10 @@ class Ema:
     count: int = 0
 
     def update(self, x: float) -> None:
-        self.value = x if self.count == 0 else (1 - self.alpha) * self.value + self.alpha * x
+        # a plain mean over the first 1/alpha samples, so the prior is forgotten quickly
         self.count += 1
+        a = max(self.alpha, 1.0 / self.count)
+        self.value = (1 - a) * self.value + a * x
 
 
 @dataclass
@@ -62,22 +69,43 @@ class ModePolicy:
     t_fast: Ema = field(default_factory=lambda: Ema(0.002))  # seconds per n-gram backup call
     target: StepCost = field(default_factory=StepCost)
     drafter: StepCost = field(default_factory=StepCost)
+    calib: dict = field(default_factory=lambda: {c: Ema(1.0, alpha=0.05) for c in CHOICES})
     current: str = "ssd+neural"
+    explore_new: int = 8  # rounds between tries of a choice with < 3 calibration samples
+    explore_every: int = 64  # ... and of one measured before
+    decisions: int = 0
+    last_run: dict = field(default_factory=dict)  # choice -> decision index it last ran at
 
     # -- predictions ------------------------------------------------------------------------------
-    def rates(self, batch: int, k: int, budget: int) -> dict[str, float]:
+    def model_rates(self, batch: int, k: int, budget: int) -> dict[str, float]:
+        """The formulas above, forward time only (all 0 until both engines reported a forward)."""
+        if not (self.target.known and self.drafter.known):
+            return {c: 0.0 for c in CHOICES}
         b, T_t, T_d = max(batch, 1), self.target, self.drafter
         p = self.p_hit.value
         t_v = T_t(b * (k + 1))
         t_s = T_d(b * (k + 1)) + k * T_d(b * budget)
         missing = max(1.0, (1 - p) * b)
         t_backup = {"neural": k * T_d(missing), "fast": self.t_fast.value}
-        out = {"ar": 1 / T_t(b), "sd": self.e_miss["neural"].value / (k * T_d(b) + t_v)}
+        e_sd = self.e_miss["neural"].value
+        e_hit = self.e_hit.value if self.e_hit.count else e_sd
+        out = {"ar": 1 / T_t(b), "sd": e_sd / (k * T_d(b) + t_v)}
         for kind in ("neural", "fast"):
-            num = p * self.e_hit.value + (1 - p) * self.e_miss[kind].value
+            num = p * e_hit + (1 - p) * self.e_miss[kind].value
             out[f"ssd+{kind}"] = num / (max(t_v, t_s) + (1 - p ** b) * t_backup[kind])
         return out
 
+    def rates(self, batch: int, k: int, budget: int) -> dict[str, float]:
+        """Predicted tokens/s per sequence for each choice, calibrated by what each one measured."""
+        return {c: r * self.calib[c].value for c, r in self.model_rates(batch, k, budget).items()}
+
+    def observe_round(self, choice: str, tokens: int, seconds: float, batch: int, k: int, budget: int) -> None:
+        """A round that ran ``choice`` produced ``tokens`` in ``seconds``: calibrate its prediction."""
+        if seconds <= 0 or not (self.target.known and self.drafter.known):
+            return
+        predicted = self.model_rates(batch, k, budget)[choice]
+        if predicted > 0:
+            self.calib[choice].update(min(max(tokens / seconds / predicted, 0.1), 10.0))
     def choose(self, batch: int, k: int, budget: int, allowed: tuple[str, ...] = CHOICES) -> Decision:
         """The choice for the next round, among ``allowed`` (a request may pin its mode)."""
         if self.forced_mode and self.forced_mode in allowed:
@@ -89,14 +117,23 @@ class ModePolicy:
             return _decision(allowed[0], "request" if not self.forced_backup else "forced")
         if not (self.target.known and self.drafter.known):
             first = self.current if self.current in allowed else allowed[0]
-            return _decision(first, "warmup")
+            return self._ran(_decision(first, "warmup"))
+        self.decisions += 1
+        stale = [c for c in allowed if self.decisions - self.last_run.get(c, 0) >=
+                 (self.explore_new if self.calib[c].count < 3 else self.explore_every)]
+        if stale:
+            return self._ran(_decision(min(stale, key=lambda c: self.last_run.get(c, 0)), "explore"))
         rates = self.rates(batch, k, budget)
         best = max(allowed, key=lambda c: rates[c])
         cur = self.current if self.current in allowed else best
         if rates[best] > rates[cur] * (1 + self.hysteresis):
             cur = best
         self.current = cur
-        return _decision(cur, "policy", rates)
+        return self._ran(_decision(cur, "policy", rates))
+
+    def _ran(self, d: "Decision") -> "Decision":
+        self.last_run[d.choice] = self.decisions
+        return d
 
     def b_star(self, k: int, budget: int, max_batch: int = 256) -> int | None:
         """Smallest batch at which SSD with the fast backup beats SSD with the neural one."""

@@ -189,6 +189,7 @@ class Generation:
         cfg, est, pol = self.cfg, self.shared.estimator, self.shared.policy
         cached: DraftResult | None = None  # this round's draft, pre-drafted by the last speculation
         while True:
+            t_round = time.perf_counter()
             d = self._decide()
             self.stats.record_decision(d.choice, d.reason, d.rates)
             fanout = allocate(cfg.fanout_shape, cfg.k, cfg.fanout_budget, est)
@@ -224,6 +225,8 @@ class Generation:
                 self.stats.misses += not hit
             self.round += 1
             prefix = prefix + block
+            pol.observe_round(d.choice, len(block), time.perf_counter() - t_round, self.shared.active, cfg.k,
+                              cfg.fanout_budget)
             yield block
             cached = None
             if hit and not self.params.greedy:

@@ -1,0 +1,79 @@
+"""The benchmark's own machinery on the CI engines: the in-process runner, the transformers peer
+and the report (tables, correctness pass, power-law fit, plots), so `make bench` cannot rot."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import PROMPTS, REPO, TARGET, WEAK
+
+N = 12
+
+
+def _prompts(tmp_path: Path, codec) -> Path:
+    f = tmp_path / "prompts.json"
+    f.write_text(json.dumps([{"dataset": "toy", "index": i, "ids": codec.encode_prompt(p)}
+                             for i, p in enumerate(PROMPTS[:2])]))
+    return f
+
+
+def _run(script: str, args: list[str]) -> None:
+    subprocess.run([sys.executable, str(REPO / "tools" / "bench" / script), *args], check=True, timeout=600)
+
+
+def test_inprocess_runner_is_exact_and_reports(engine_root, codec, tmp_path):
+    out = tmp_path / "inproc.json"
+    _run("inprocess.py", ["--target", str(engine_root / TARGET), "--drafter", str(engine_root / WEAK),
+                          "--prompts", str(_prompts(tmp_path, codec)), "--max-tokens", str(N), "--out", str(out)])
+    rows = json.loads(out.read_text())
+    assert sorted((r["prompt"], r["mode"]) for r in rows) == sorted((i, m) for i in range(2) for m in ("ar", "sd", "ssd"))
+    for i in range(2):
+        ids = {r["mode"]: r["ids"] for r in rows if r["prompt"] == i}
+        assert ids["sd"] == ids["ar"] and ids["ssd"] == ids["ar"] and 0 < len(ids["ar"]) <= N  # fp32: exact
+    for r in rows:
+        assert r["decode_tokens_per_s"] > 0 and r["acceptance_length"] >= 1.0
+        assert sum(r["rounds_by_choice"].values()) == r["rounds"]
+
+
+def test_peer_matches_our_greedy_ar(engine_root, codec, tmp_path):
+    prompts = _prompts(tmp_path, codec)
+    ours, peer = tmp_path / "ours.json", tmp_path / "peer.json"
+    _run("inprocess.py", ["--target", str(engine_root / TARGET), "--drafter", str(engine_root / WEAK),
+                          "--prompts", str(prompts), "--max-tokens", str(N), "--modes", "ar", "--out", str(ours)])
+    _run("peer.py", ["--target", str(engine_root / TARGET), "--drafter", str(engine_root / WEAK), "--prompts",
+                     str(prompts), "--max-tokens", str(N), "--k", "2", "--cores", "0", "--threads", "1",
+                     "--out", str(peer)])
+    rows = json.loads(peer.read_text())
+    ar = {r["prompt"]: r["ids"] for r in json.loads(ours.read_text())}
+    assert {(r["prompt"], r["mode"]) for r in rows} == {(i, m) for i in range(2) for m in ("ar", "assisted")}
+    for r in rows:
+        # the same token ids (chat template included), the same greedy continuation (fp32 on both sides)
+        assert r["ids"][:len(ar[r["prompt"]])] == ar[r["prompt"]], (r["mode"], r["prompt"])
+        assert r["decode_tokens_per_s"] > 0
+        assert r["acceptance_length"] >= (1.0 if r["mode"] == "assisted" else 0.0)
+
+
+def test_report_counts_divergences_and_fits_the_miss_rate(tmp_path):
+    sys.path.insert(0, str(REPO / "tools" / "bench"))
+    import report
+
+    def row(phase, mode, prompt, ids, tps, **kw):
+        return dict(phase=phase, mode=mode, dataset="toy", prompt=prompt, ids=ids, latency_s=1.0,
+                    decode_tokens_per_s=tps, acceptance_length=3.0, p_hit=kw.pop("p_hit", 0.0),
+                    speedup_predicted=kw.pop("pred", 1.0), **kw)
+
+    split = [row("greedy", "ar", 0, [1, 2, 3], 2.0), row("greedy", "sd", 0, [1, 2, 3], 3.0, pred=1.5),
+             row("greedy", "ssd", 0, [1, 9, 3], 4.0, pred=2.0, p_hit=0.8)]
+    # miss rate exactly 0.8 B^-1: the fit must give r = 1, c = 0.8
+    split += [row("sweep:budget", "ssd", 0, [1], 4.0, p_hit=1 - 0.8 / b, fanout_budget=b) for b in (4, 8, 16)]
+    raw = {"split": split, "meta": {"preset": "t", "wall_s": 1, "max_tokens": 3, "datasets": ["toy"], "per_dataset": 1}}
+    md = report.write(raw, tmp_path)
+    assert "| SSD K=4 B=8, 1+1 cores | 0/1 | toy #0 @ 1 |" in md  # the divergence at token 1 is reported
+    assert "| SD K=4, 1+1 cores (serial) | 1/1 | - |" in md
+    assert "| SSD / SD, paper protocol | 1.33 | >= 1.25 | yes |" in md
+    _, _, r, c = report.budget_fit(raw)
+    assert abs(r - 1.0) < 1e-9 and abs(c - 0.8) < 1e-9
+    for png in ("throughput.png", "hit_rate_vs_budget.png", "ssd_over_sd_predicted_vs_measured.png"):
+        assert (tmp_path / png).stat().st_size > 1000
