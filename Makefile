@@ -23,12 +23,12 @@ serve: engines
 test: $(STAMP)
 	$(PY) -m pytest -v -p no:cacheprovider tests
 
-# Decode speed of AR / SD / SSD through the served model, side by side (results/bench_serve.json).
+# AR / SD / SSD served and in-process, the transformers peer, sweeps, plots (results/bench/report.md).
 bench-quick: engines
-	$(PY) tools/bench_serve.py --layouts split --datasets humaneval,gsm8k --per-dataset 2 --max-tokens 64
+	$(PY) tools/bench/run.py --preset quick
 
 bench: engines
-	$(PY) tools/bench_serve.py --layouts split,shared2 --datasets humaneval,gsm8k,mtbench --per-dataset 4 --max-tokens 128
+	$(PY) tools/bench/run.py --preset full
 
 clean:
 	rm -rf build results

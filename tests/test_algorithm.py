@@ -58,6 +58,7 @@ def _policy(e_draft: float = 3.6, e_hit: float = 3.9, p_hit: float = 0.8, drafte
     pol.e_miss["neural"].value, pol.e_miss["fast"].value, pol.t_fast.value = e_draft, 1.5, 0.003
     pol.e_hit.count = 1
     pol.explore_new = pol.explore_every = 10**9  # these tests check the prediction, not exploration
+    pol.min_dwell = 0
     return pol
 
 
@@ -109,13 +110,32 @@ def test_policy_keeps_its_choice_within_hysteresis():
     assert pol.choose(1, 4, 8).choice == best
 
 
-def test_policy_calibrates_each_choice_from_measured_rounds():
+def test_policy_calibrates_each_choice_and_batch_size_from_measured_rounds():
     pol = _policy()
     model = pol.model_rates(4, 4, 8)
-    for _ in range(30):  # SD rounds run at half the predicted speed (overheads the formula misses)
+    for _ in range(30):  # SD rounds at batch 4 run at half the predicted speed
         pol.observe_round("sd", 3, 3 / (0.5 * model["sd"]), 4, 4, 8)
     assert abs(pol.rates(4, 4, 8)["sd"] / model["sd"] - 0.5) < 1e-6
     assert pol.rates(4, 4, 8)["ar"] == model["ar"]  # other choices keep their own factor
+    # batch 5 shares the 4-7 bucket; batch 16 has no rounds of its own yet: the choice's overall factor
+    assert abs(pol.factor("sd", 5) - 0.5) < 1e-6 and abs(pol.factor("sd", 16) - 0.5) < 1e-6
+    model16 = pol.model_rates(16, 4, 8)
+    for _ in range(30):  # at batch 16 SD runs as predicted
+        pol.observe_round("sd", 3, 3 / model16["sd"], 16, 4, 8)
+    assert abs(pol.factor("sd", 16) - 1.0) < 1e-6 and abs(pol.factor("sd", 4) - 0.5) < 1e-6
+
+
+def test_policy_dwells_before_switching_again():
+    pol = _policy()
+    pol.min_dwell = 16
+    pol.current, pol.switched_at, pol.decisions = "ar", 0, 100  # long settled on a poor choice
+    assert pol.choose(1, 4, 8).choice != "ar"  # switches at once
+    better = pol.current
+    pol.e_miss["neural"].value = pol.e_hit.value = 1.0  # drafts turn useless: AR is best now
+    assert pol.choose(1, 4, 8).choice == better  # but the last switch was just now: it stays
+    for _ in range(16):
+        d = pol.choose(1, 4, 8)
+    assert d.choice == "ar"
 
 
 def test_policy_explores_choices_it_has_not_measured():

@@ -17,14 +17,19 @@ b B rows through the drafter per step, so SSD's edge shrinks as b grows: a fast 
 plain SD (no tree), then AR (no draft rows at all) take over once they predict more tokens/s.
 E_miss(fast) is measured for free: after each round we score what the n-gram lookup would have
 proposed; until SSD has run, E_hit is taken as E_sd (a cached branch is what SD would have drafted).
-The formulas count forward time only; what they miss (Python, BLS, sampling) is learned as one
-calibration factor per choice, measured tokens/s over predicted, from the rounds each choice ran.
-Statistics only come from running a choice, so one that has not run for a while gets a single
-round (``explore``): 1 in 8 rounds while it has fewer than 3 measurements, 1 in 64 after.
-A choice only replaces the current one when it predicts at least ``hysteresis`` more, so the batch
-does not flap between modes on noise.
+The formulas count forward time only; what they miss (Python, BLS, sampling, two engines sharing
+memory bandwidth) is learned as a calibration factor per choice and batch-size bucket (1, 2-3,
+4-7, ...): measured tokens/s over predicted, from the rounds that choice ran at that batch size
+(the choice's factor over all sizes until a bucket has 3 rounds). So the formulas extrapolate and
+the measurements decide. Statistics only come from running a choice, so one that has not run at
+this batch size for a while gets a single round (``explore``): 1 in 8 rounds while it has fewer
+than 3 measurements there, 1 in 64 after. A new choice must predict ``hysteresis`` more than the
+current one, and a choice stays at least ``min_dwell`` rounds: every switch into SSD costs a round
+without a cached draft, so flapping on noise would cost more than it gains.
 """
 from __future__ import annotations
+
+import math
 
 from dataclasses import dataclass, field
 
@@ -62,19 +67,21 @@ class Decision:
 class ModePolicy:
     forced_backup: str | None = None  # "neural" | "fast" | None (auto)
     forced_mode: str | None = None  # one of CHOICES, or None (auto)
-    hysteresis: float = 0.05
+    hysteresis: float = 0.1
+    min_dwell: int = 16
     p_hit: Ema = field(default_factory=lambda: Ema(0.6))
     e_hit: Ema = field(default_factory=lambda: Ema(2.5))
     e_miss: dict = field(default_factory=lambda: {"neural": Ema(2.5), "fast": Ema(1.3)})
     t_fast: Ema = field(default_factory=lambda: Ema(0.002))  # seconds per n-gram backup call
     target: StepCost = field(default_factory=StepCost)
     drafter: StepCost = field(default_factory=StepCost)
-    calib: dict = field(default_factory=lambda: {c: Ema(1.0, alpha=0.05) for c in CHOICES})
+    calib: dict = field(default_factory=dict)  # (choice, bucket or None for all sizes) -> Ema
     current: str = "ssd+neural"
     explore_new: int = 8  # rounds between tries of a choice with < 3 calibration samples
     explore_every: int = 64  # ... and of one measured before
     decisions: int = 0
-    last_run: dict = field(default_factory=dict)  # choice -> decision index it last ran at
+    switched_at: int = 0
+    last_run: dict = field(default_factory=dict)  # (choice, bucket) -> decision index it last ran at
 
     # -- predictions ------------------------------------------------------------------------------
     def model_rates(self, batch: int, k: int, budget: int) -> dict[str, float]:
@@ -95,9 +102,16 @@ class ModePolicy:
             out[f"ssd+{kind}"] = num / (max(t_v, t_s) + (1 - p ** b) * t_backup[kind])
         return out
 
+    def _calib(self, choice: str, bucket: int | None) -> Ema:
+        return self.calib.setdefault((choice, bucket), Ema(1.0, alpha=0.05))
+
+    def factor(self, choice: str, batch: int) -> float:
+        here = self._calib(choice, _bucket(batch))
+        return here.value if here.count >= 3 else self._calib(choice, None).value
+
     def rates(self, batch: int, k: int, budget: int) -> dict[str, float]:
         """Predicted tokens/s per sequence for each choice, calibrated by what each one measured."""
-        return {c: r * self.calib[c].value for c, r in self.model_rates(batch, k, budget).items()}
+        return {c: r * self.factor(c, batch) for c, r in self.model_rates(batch, k, budget).items()}
 
     def observe_round(self, choice: str, tokens: int, seconds: float, batch: int, k: int, budget: int) -> None:
         """A round that ran ``choice`` produced ``tokens`` in ``seconds``: calibrate its prediction."""
@@ -105,7 +119,9 @@ class ModePolicy:
             return
         predicted = self.model_rates(batch, k, budget)[choice]
         if predicted > 0:
-            self.calib[choice].update(min(max(tokens / seconds / predicted, 0.1), 10.0))
+            ratio = min(max(tokens / seconds / predicted, 0.1), 10.0)
+            self._calib(choice, _bucket(batch)).update(ratio)
+            self._calib(choice, None).update(ratio)
     def choose(self, batch: int, k: int, budget: int, allowed: tuple[str, ...] = CHOICES) -> Decision:
         """The choice for the next round, among ``allowed`` (a request may pin its mode)."""
         if self.forced_mode and self.forced_mode in allowed:
@@ -119,20 +135,23 @@ class ModePolicy:
             first = self.current if self.current in allowed else allowed[0]
             return self._ran(_decision(first, "warmup"))
         self.decisions += 1
-        stale = [c for c in allowed if self.decisions - self.last_run.get(c, 0) >=
-                 (self.explore_new if self.calib[c].count < 3 else self.explore_every)]
+        bk = _bucket(batch)
+        stale = [c for c in allowed if self.decisions - self.last_run.get((c, bk), 0) >=
+                 (self.explore_new if self._calib(c, bk).count < 3 else self.explore_every)]
         if stale:
-            return self._ran(_decision(min(stale, key=lambda c: self.last_run.get(c, 0)), "explore"))
+            pick = min(stale, key=lambda c: self.last_run.get((c, bk), 0))
+            return self._ran(_decision(pick, "explore"), bk)
         rates = self.rates(batch, k, budget)
         best = max(allowed, key=lambda c: rates[c])
         cur = self.current if self.current in allowed else best
-        if rates[best] > rates[cur] * (1 + self.hysteresis):
-            cur = best
+        settled = self.decisions - self.switched_at >= self.min_dwell
+        if cur != best and (cur not in allowed or settled and rates[best] > rates[cur] * (1 + self.hysteresis)):
+            cur, self.switched_at = best, self.decisions
         self.current = cur
-        return self._ran(_decision(cur, "policy", rates))
+        return self._ran(_decision(cur, "policy", rates), bk)
 
-    def _ran(self, d: "Decision") -> "Decision":
-        self.last_run[d.choice] = self.decisions
+    def _ran(self, d: "Decision", bucket: int = 0) -> "Decision":
+        self.last_run[(d.choice, bucket)] = self.decisions
         return d
 
     def b_star(self, k: int, budget: int, max_batch: int = 256) -> int | None:
@@ -157,6 +176,10 @@ class ModePolicy:
                 "e_miss_fast": round(self.e_miss["fast"].value, 3), "t_fast_ms": round(1000 * self.t_fast.value, 2),
                 "target_s_by_rows": self.target.snapshot(), "drafter_s_by_rows": self.drafter.snapshot(),
                 "current": self.current}
+
+
+def _bucket(batch: int) -> int:
+    return int(math.log2(max(batch, 1)))
 
 
 def _decision(choice: str, reason: str, rates: dict | None = None) -> Decision:

@@ -1,0 +1,115 @@
+"""AR / SD / SSD on the engines alone, in one process, no Triton (run as a subprocess).
+
+The same engines, workers and decoding loop as the server, with the engine parameters read from
+model_repository/*/config.pbtxt, and the same placement: every target call runs on one thread pinned
+to the target's core, every drafter / n-gram call on one pinned to the drafter's core (torch with one
+intra-op thread computes on the calling thread). Served minus in-process is the cost of serving:
+BLS round trips, JSON, the dynamic batcher, a second process.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "backends" / "python_ssd"))
+
+import torch  # noqa: E402
+
+from ssd.algorithm.sampling import SamplingParams  # noqa: E402
+from ssd.decoding.generator import DecodeConfig, Generation, SharedState  # noqa: E402
+from ssd.decoding.local_client import LocalClient  # noqa: E402
+from ssd.engine.engine import TorchEngine  # noqa: E402
+from ssd.workers.drafter import DrafterWorker  # noqa: E402
+from ssd.workers.fast_backup import NgramWorker  # noqa: E402
+from ssd.workers.target import TargetWorker  # noqa: E402
+
+_PARAM = re.compile(r'key:\s*"(\w+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"')
+
+
+def model_params(model: str) -> dict[str, str]:
+    return dict(_PARAM.findall((REPO / "model_repository" / model / "config.pbtxt").read_text()))
+
+
+def load_engine(folder: Path, p: dict[str, str]) -> TorchEngine:
+    return TorchEngine(folder, dtype=p.get("dtype") or None, threads=1, step_rows=int(p.get("step_rows") or 0),
+                       exact=p.get("exact_attention", "true") == "true", head_vocab=int(p.get("head_vocab") or 0))
+
+
+class PinnedClient(LocalClient):
+    """LocalClient whose target calls run on a thread pinned to one core, drafter calls on another."""
+
+    def __init__(self, target, drafter, fast, target_core: int, drafter_core: int):
+        super().__init__(target, drafter, fast)
+        pin = lambda core: (lambda: os.sched_setaffinity(0, {core}))  # noqa: E731 - per-thread on Linux
+        self._pools = {id(target): ThreadPoolExecutor(1, initializer=pin(target_core)),
+                       id(drafter): ThreadPoolExecutor(1, initializer=pin(drafter_core)),
+                       id(fast): ThreadPoolExecutor(1, initializer=pin(drafter_core))}
+
+    async def _call(self, worker, method: str, call):
+        def run():
+            return getattr(worker, method)([call])[0]
+        return await asyncio.get_running_loop().run_in_executor(self._pools[id(worker)], run)
+
+
+async def generate(client, shared, ids: list[int], mode: str, a) -> dict:
+    # step_aside off: SSD itself, as in the served rows of the bench
+    cfg = DecodeConfig(mode=mode, k=a.k, fanout_budget=a.budget, saguaro_c=a.c, backup=a.backup, step_aside=False)
+    g = Generation(client, f"{mode}-{time.monotonic_ns()}", list(ids), SamplingParams(a.temperature), 1, cfg, shared)
+    out, t0 = [], time.perf_counter()
+    async for block in g.run():
+        out += block
+        if len(out) >= a.max_tokens or any(t in a.eos for t in block):
+            break
+    latency = time.perf_counter() - t0
+    await client.release(g.seq_id)
+    cut = next((i for i, t in enumerate(out) if t in a.eos), len(out))
+    g.stats.new_tokens = min(cut, a.max_tokens)
+    return {"ids": out[:g.stats.new_tokens], "latency_s": latency, **g.stats.to_dict()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--target", type=Path, required=True)
+    ap.add_argument("--drafter", type=Path, required=True)
+    ap.add_argument("--prompts", type=Path, required=True, help="JSON: [{dataset, index, ids}]")
+    ap.add_argument("--modes", default="ar,sd,ssd")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--budget", type=int, default=8)
+    ap.add_argument("--c", type=float, default=1.0)
+    ap.add_argument("--backup", default="auto")
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    target = load_engine(a.target, model_params("target"))
+    drafter = load_engine(a.drafter, model_params("drafter_primary"))
+    a.eos = target.eos_ids
+    print(f"[in-process] engines loaded in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    client = PinnedClient(TargetWorker(target), DrafterWorker(drafter), NgramWorker(),
+                          int(model_params("target")["cores"].split(",")[0]),
+                          int(model_params("drafter_primary")["cores"].split(",")[0]))
+    shared = SharedState()
+    prompts = json.loads(a.prompts.read_text())
+    asyncio.run(generate(client, shared, prompts[0]["ids"][:16], "ssd", argparse.Namespace(**{**vars(a), "max_tokens": 4})))
+    rows = []
+    for p in prompts:
+        for mode in a.modes.split(","):
+            r = asyncio.run(generate(client, shared, p["ids"], mode, a))
+            rows.append({"dataset": p["dataset"], "prompt": p["index"], "mode": mode, **r})
+            print(f"[in-process] {p['dataset']} #{p['index']} {mode}: {r['decode_tokens_per_s']:.2f} tok/s, "
+                  f"accept len {r['acceptance_length']:.2f}, p_hit {r['p_hit']:.2f}", file=sys.stderr, flush=True)
+    a.out.write_text(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""The peer: Hugging Face transformers on the same pair, prompts and cores (run as a subprocess).
+
+`python tools/bench/peer.py --cores 0,1 --threads 2 --k 2 --prompts P.json --out R.json` runs the
+target alone (transformers AR) and with `assistant_model=<drafter>` (assisted generation, constant
+K, no confidence cut-off: plain SD as transformers ships it), greedy, on the same token ids our
+server decodes (the same chat template). Decode tokens/s excludes the prefill: a streamer stamps the
+first generated token, and the rate is (new tokens - 1) / (end - first token).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+class Stamps:
+    """A generation streamer that only records when tokens arrive (the first put() is the prompt)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.counts: list[int] = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+        self.counts.append(int(value.numel()))
+
+    def end(self):
+        self.times.append(time.perf_counter())
+
+
+def run(target, assistant, ids: list[int], max_tokens: int, k: int, eos: list[int]) -> dict:
+    inp = torch.tensor([ids])
+    st = Stamps()
+    kw = dict(max_new_tokens=max_tokens, do_sample=False, streamer=st, eos_token_id=eos,
+              pad_token_id=eos[0] if eos else None, attention_mask=torch.ones_like(inp))
+    if assistant is not None:
+        kw.update(assistant_model=assistant, num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
+                  assistant_confidence_threshold=0.0)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = target.generate(inp, **kw)
+    t_end = time.perf_counter()
+    new = out[0, len(ids):].tolist()
+    t_first = st.times[1] if len(st.times) > 2 else t_end  # [prompt, first token, ..., end]
+    rounds = max(len(st.counts) - 2, 0)  # puts after the prompt and the prefill's token
+    return {"ids": new, "new_tokens": len(new), "prefill_s": t_first - t0, "latency_s": t_end - t0,
+            "decode_tokens_per_s": (len(new) - 1) / (t_end - t_first) if len(new) > 1 and t_end > t_first else 0.0,
+            "acceptance_length": (len(new) - 1) / rounds if rounds else 0.0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--target", type=Path, required=True)
+    ap.add_argument("--drafter", type=Path, required=True)
+    ap.add_argument("--prompts", type=Path, required=True, help="JSON: [{dataset, prompt, ids}]")
+    ap.add_argument("--cores", default="0,1")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--k", default="2", help="assistant tokens per round; several: 2,4")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--modes", default="ar,assisted")
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    os.sched_setaffinity(0, {int(c) for c in a.cores.split(",")})
+    torch.set_num_threads(a.threads)
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    target = AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.bfloat16).eval()
+    assistant = AutoModelForCausalLM.from_pretrained(a.drafter, dtype=torch.bfloat16).eval()
+    print(f"[peer] transformers loaded both models in {time.perf_counter() - t0:.0f} s "
+          f"({a.threads} threads on cores {a.cores})", file=sys.stderr, flush=True)
+    meta = json.loads((a.target / "engine.json").read_text()) if (a.target / "engine.json").exists() else {}
+    eos = list(meta.get("eos_token_ids", [])) or [target.generation_config.eos_token_id]
+    prompts = json.loads(a.prompts.read_text())
+    run(target, assistant, prompts[0]["ids"][:16], 4, 2, eos)  # warm-up
+    rows = []
+    variants = [("ar", 0)] if "ar" in a.modes else []
+    variants += [("assisted", int(k)) for k in a.k.split(",")] if "assisted" in a.modes else []
+    for i, p in enumerate(prompts):
+        for mode, k in variants:
+            r = run(target, assistant if mode == "assisted" else None, p["ids"], a.max_tokens, k, eos)
+            rows.append({"dataset": p["dataset"], "prompt": p["index"], "mode": mode, "k": k, **r})
+            print(f"[peer] {p['dataset']} #{p['index']} {mode} K={k}: {r['decode_tokens_per_s']:.2f} tok/s, "
+                  f"{r['acceptance_length']:.2f} tokens/round", file=sys.stderr, flush=True)
+    a.out.write_text(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""`make bench` / `make bench-quick`: the paper's comparison on this machine, in one run.
+
+Phases (each prints progress and an ETA):
+  split     served, target on core 0 + drafter on core 1, one thread each (the paper's protocol):
+            AR, SD, SSD greedy; AR, SD, SSD at temperature 0.7; the sweeps (K, fan-out shape and
+            budget, backup, C) that choose the shipped defaults
+  shared2   served, every engine on both cores with 2 threads: AR and SD (same hardware for everyone)
+  inproc    the same engines without Triton (tools/bench/inprocess.py): the serving overhead
+  peer      transformers assisted generation on the same pair, prompts and 2 cores (tools/bench/peer.py)
+Outputs in --out (default results/bench/): raw.json, report.md (tables per dataset and overall,
+correctness pass, sweeps, defaults), throughput.png, hit_rate_vs_budget.png,
+ssd_over_sd_predicted_vs_measured.png, c_sweep.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report  # noqa: E402
+from prompts import load  # noqa: E402
+from serve import engines_by_role  # noqa: E402
+from served import generate, start  # noqa: E402
+from triton_launcher import REPO  # noqa: E402
+
+
+@dataclass
+class Preset:
+    datasets: str
+    per_dataset: int  # greedy main table
+    max_tokens: int
+    sampled_per_dataset: int  # temperature 0.7 table
+    sweep_prompts: int  # per dataset (humaneval, gsm8k) for the sweeps
+    sweep_tokens: int
+    sweeps: dict  # name -> list of per-request overrides
+    inproc_per_dataset: int
+    peer_k: str
+
+
+# every SSD sweep point states all knobs, so the shared baseline (the shipped defaults) runs once
+# step_aside off: these rows measure SSD itself; what the mode policy does under load is the
+# Locust sweep's subject (loadtest/sweep.py)
+SSD_BASE = {"num_draft_tokens": 4, "fanout_budget": 8, "fanout_shape": "geometric", "backup": "auto", "saguaro_c": 1.0,
+            "step_aside": False}
+PIN = {"ssd": {"step_aside": False}}
+SWEEPS_FULL = {
+    "k": [{"num_draft_tokens": k} for k in (3, 4, 5)],
+    "sd_k": [{"mode": "sd", "num_draft_tokens": k} for k in (2, 3, 4, 5)],
+    "shape": [{"fanout_shape": s} for s in ("uniform", "geometric")],
+    "budget": [{"fanout_budget": b} for b in (5, 8, 12, 16)],
+    "backup": [{"backup": b} for b in ("neural", "fast", "auto")],
+    "c": [{"saguaro_c": c, "temperature": 0.7} for c in (1.0, 0.5, 0.0)],
+}
+SWEEPS_QUICK = {"budget": [{"fanout_budget": b} for b in (5, 8, 12)],
+                "c": [{"saguaro_c": c, "temperature": 0.7} for c in (1.0, 0.0)]}
+PRESETS = {
+    "quick": Preset("humaneval,gsm8k", 1, 48, 1, 1, 32, SWEEPS_QUICK, 1, "2"),
+    "full": Preset("humaneval,gsm8k,mtbench", 2, 128, 1, 2, 48, SWEEPS_FULL, 1, "2,4"),
+}
+
+
+class Progress:
+    def __init__(self, total: int):
+        self.total, self.done, self.t0 = total, 0, time.time()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        el = time.time() - self.t0
+        eta = el / self.done * (self.total - self.done)
+        print(f"[bench] {self.done}/{self.total} {what} | elapsed {el / 60:.1f} min, ETA {eta / 60:.1f} min",
+              flush=True)
+
+
+def served_row(d: dict, **tags) -> dict:
+    s = d["stats"]
+    keep = ("decode_tokens_per_s", "acceptance_length", "p_hit", "new_tokens", "speedup_predicted", "t_verify_ms",
+            "t_p", "t_b", "backup_used", "e_hit", "e_miss", "rounds_by_choice", "prefill_s")
+    return {**tags, "ids": d["output_ids"] if isinstance(d["output_ids"], list) else [d["output_ids"]],
+            "latency_s": d["latency_s"], **{k: s.get(k) for k in keep}}
+
+
+def tree_rss_gb(root: int) -> float:
+    """Resident memory of a process and all its descendants (tritonserver + its Python stubs)."""
+    children: dict[int, list[int]] = defaultdict(list)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children[int(fields[1])].append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            pass
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total / 2**20
+
+
+class PeakMemory(threading.Thread):
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid, self.peak, self.stop = pid, 0.0, threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(1.0):
+            self.peak = max(self.peak, tree_rss_gb(self.pid))
+
+
+PEAK_RSS: dict[str, float] = {}
+
+
+def run_served(layout: str, jobs: list[tuple[dict, dict]], a, prog: Progress) -> list[dict]:
+    """jobs: (tags, request overrides). One server for all of them."""
+    print(f"[bench] starting tritonserver ({layout} layout) ...", flush=True)
+    srv = start(layout, a)
+    mem = PeakMemory(srv.proc.pid)
+    mem.start()
+    rows, done = [], {}
+    try:
+        # warm-up: first-call allocations, and the mode policy's first measurements of every choice
+        for mode in ("ar", "sd", "ssd"):
+            generate(srv, "Write a haiku about the sea.", mode, a, max_tokens=32, **PIN.get(mode, {}))
+        for tags, extra in jobs:
+            body = {k: v for k, v in extra.items() if k != "mode"}
+            mode = extra.get("mode", tags.get("mode", "ssd"))
+            key = (tags["text"], mode, json.dumps(body, sort_keys=True))
+            if key in done:  # the same request in two sweeps (their shared baseline): measured once
+                d = done[key]
+            else:
+                d = done[key] = generate(srv, tags["text"], mode, a, **body)
+            row = served_row(d, **{k: v for k, v in tags.items() if k != "text"}, layout=layout, **body)
+            rows.append(row)
+            prog.step(f"{layout} {row.get('phase')} {row.get('dataset')} #{row.get('prompt')} {row.get('mode')} "
+                      f"{body or ''}: {row['decode_tokens_per_s']:.2f} tok/s, accept {row['acceptance_length']:.2f}, "
+                      f"p_hit {row['p_hit']:.2f}")
+    finally:
+        mem.stop.set()
+        PEAK_RSS[layout] = round(max(mem.peak, tree_rss_gb(srv.proc.pid)), 2)
+        srv.stop()
+    print(f"[bench] {layout}: peak resident memory of the server {PEAK_RSS[layout]:.1f} GB", flush=True)
+    return rows
+
+
+def run_subprocess(script: str, args: list[str], out: Path, n: int, prog: Progress, label: str) -> list[dict]:
+    print(f"[bench] {label}: {script} {' '.join(args)}", flush=True)
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / script), *args, "--out", str(out)],
+                            stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        line = line.rstrip()
+        print(line, flush=True)
+        if " tok/s" in line:
+            prog.step(label)
+    if proc.wait() != 0:
+        raise SystemExit(f"[bench] {script} failed (exit {proc.returncode})")
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=PRESETS, default="full")
+    ap.add_argument("--phases", default="split,shared2,inproc,peer")
+    ap.add_argument("--config", type=Path, default=REPO / "engines/default.yaml")
+    ap.add_argument("--engine-root", type=Path, default=REPO / "engines")
+    ap.add_argument("--out", type=Path, default=REPO / "results" / "bench")
+    a = ap.parse_args()
+    pr = PRESETS[a.preset]
+    # server defaults for the run: the shipped ones (model_repository/ssd/config.pbtxt)
+    a.k, a.budget, a.c, a.backup, a.temperature, a.max_tokens = 4, 8, 1.0, "auto", 0.0, pr.max_tokens
+    a.out.mkdir(parents=True, exist_ok=True)
+    roles = engines_by_role(a.config)
+    tdir, ddir = a.engine_root / roles["target"], a.engine_root / roles["drafter"]
+    sys.path.insert(0, str(REPO / "backends" / "python_ssd"))
+    from ssd.decoding.text import TextCodec
+    codec = TextCodec(tdir)
+    datasets = pr.datasets.split(",")
+    main_prompts = [dict(dataset=ds, prompt=i, text=t) for ds in datasets for i, t in enumerate(load(ds, pr.per_dataset))]
+    sampled = [p for p in main_prompts if p["prompt"] < pr.sampled_per_dataset]
+    sweep_prompts = [dict(dataset=ds, prompt=i, text=t) for ds in ("humaneval", "gsm8k")
+                     for i, t in enumerate(load(ds, pr.sweep_prompts))]
+    inproc = [p for p in main_prompts if p["prompt"] < pr.inproc_per_dataset]
+    phases = a.phases.split(",")
+
+    split_jobs = [({**p, "phase": "greedy", "mode": m}, {"mode": m, **PIN.get(m, {})})
+                  for p in main_prompts for m in ("ar", "sd", "ssd")]
+    split_jobs += [({**p, "phase": "t0.7", "mode": m}, {"mode": m, "temperature": 0.7, **PIN.get(m, {})})
+                   for p in sampled for m in ("ar", "sd", "ssd")]
+    for name, variants in pr.sweeps.items():
+        for v in variants:
+            body = {"max_tokens": pr.sweep_tokens, **({} if v.get("mode") == "sd" else SSD_BASE), **v}
+            split_jobs += [({**p, "phase": f"sweep:{name}", "mode": v.get("mode", "ssd")}, body) for p in sweep_prompts]
+    shared_jobs = [({**p, "phase": "greedy", "mode": m}, {"mode": m}) for p in main_prompts for m in ("ar", "sd")]
+    n_peer = len(main_prompts) * len(pr.peer_k.split(","))
+    total = (len(split_jobs) * ("split" in phases) + len(shared_jobs) * ("shared2" in phases)
+             + 3 * len(inproc) * ("inproc" in phases) + n_peer * ("peer" in phases))
+    prog = Progress(total)
+    print(f"[bench] preset {a.preset}: {total} generations in phases {phases}", flush=True)
+    t0 = time.time()
+    raw: dict[str, list] = {}
+    if "split" in phases:
+        raw["split"] = run_served("split", split_jobs, a, prog)
+    if "shared2" in phases:
+        raw["shared2"] = run_served("shared2", shared_jobs, a, prog)
+    ids_file = a.out / "prompt_ids.json"
+    ids_file.write_text(json.dumps([{"dataset": p["dataset"], "index": p["prompt"], "ids": codec.encode_prompt(p["text"])}
+                                    for p in main_prompts]))
+    if "inproc" in phases:
+        inproc_file = a.out / "prompt_ids_inproc.json"
+        inproc_file.write_text(json.dumps([{"dataset": p["dataset"], "index": p["prompt"],
+                                            "ids": codec.encode_prompt(p["text"])} for p in inproc]))
+        raw["inproc"] = run_subprocess("inprocess.py", ["--target", str(tdir), "--drafter", str(ddir), "--prompts",
+                                                        str(inproc_file), "--max-tokens", str(pr.max_tokens)],
+                                       a.out / "inproc.json", 3 * len(inproc), prog, "in-process")
+    if "peer" in phases:
+        raw["peer"] = run_subprocess("peer.py", ["--target", str(tdir), "--drafter", str(ddir), "--prompts",
+                                                 str(ids_file), "--max-tokens", str(pr.max_tokens), "--k", pr.peer_k,
+                                                 "--modes", "assisted", "--cores", "0,1", "--threads", "2"],
+                                     a.out / "peer.json", n_peer, prog, "peer")
+    raw["meta"] = {"preset": a.preset, "wall_s": round(time.time() - t0, 1), "max_tokens": pr.max_tokens,
+                   "datasets": datasets, "per_dataset": pr.per_dataset, "peak_rss_gb": PEAK_RSS}
+    (a.out / "raw.json").write_text(json.dumps(raw, indent=1))
+    md = report.write(raw, a.out)
+    print("\n" + md)
+    print(f"[bench] done in {(time.time() - t0) / 60:.1f} min; report {a.out / 'report.md'}, plots in {a.out}")
+
+
+if __name__ == "__main__":
+    main()
