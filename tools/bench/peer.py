@@ -18,6 +18,17 @@ from pathlib import Path
 import torch
 
 
+class ForwardCount:
+    """Counts the target's forwards: the prefill, then one per round (AR step or verify)."""
+
+    def __init__(self, model):
+        self.n = 0
+        model.register_forward_hook(self)
+
+    def __call__(self, *_):
+        self.n += 1
+
+
 class Stamps:
     """A generation streamer that only records when tokens arrive (the first put() is the prompt)."""
 
@@ -33,8 +44,9 @@ class Stamps:
         self.times.append(time.perf_counter())
 
 
-def run(target, assistant, ids: list[int], max_tokens: int, k: int, eos: list[int]) -> dict:
+def run(target, assistant, ids: list[int], max_tokens: int, k: int, eos: list[int], calls: ForwardCount) -> dict:
     inp = torch.tensor([ids])
+    calls.n = 0
     st = Stamps()
     kw = dict(max_new_tokens=max_tokens, do_sample=False, streamer=st, eos_token_id=eos,
               pad_token_id=eos[0] if eos else None, attention_mask=torch.ones_like(inp))
@@ -47,7 +59,7 @@ def run(target, assistant, ids: list[int], max_tokens: int, k: int, eos: list[in
     t_end = time.perf_counter()
     new = out[0, len(ids):].tolist()
     t_first = st.times[1] if len(st.times) > 2 else t_end  # [prompt, first token, ..., end]
-    rounds = max(len(st.counts) - 2, 0)  # puts after the prompt and the prefill's token
+    rounds = max(calls.n - 1, 0)  # target forwards after the prefill
     return {"ids": new, "new_tokens": len(new), "prefill_s": t_first - t0, "latency_s": t_end - t0,
             "decode_tokens_per_s": (len(new) - 1) / (t_end - t_first) if len(new) > 1 and t_end > t_first else 0.0,
             "acceptance_length": (len(new) - 1) / rounds if rounds else 0.0}
@@ -77,13 +89,14 @@ def main() -> None:
     meta = json.loads((a.target / "engine.json").read_text()) if (a.target / "engine.json").exists() else {}
     eos = list(meta.get("eos_token_ids", [])) or [target.generation_config.eos_token_id]
     prompts = json.loads(a.prompts.read_text())
-    run(target, assistant, prompts[0]["ids"][:16], 4, 2, eos)  # warm-up
+    calls = ForwardCount(target)
+    run(target, assistant, prompts[0]["ids"][:16], 4, 2, eos, calls)  # warm-up
     rows = []
     variants = [("ar", 0)] if "ar" in a.modes else []
     variants += [("assisted", int(k)) for k in a.k.split(",")] if "assisted" in a.modes else []
     for i, p in enumerate(prompts):
         for mode, k in variants:
-            r = run(target, assistant if mode == "assisted" else None, p["ids"], a.max_tokens, k, eos)
+            r = run(target, assistant if mode == "assisted" else None, p["ids"], a.max_tokens, k, eos, calls)
             rows.append({"dataset": p["dataset"], "prompt": p["index"], "mode": mode, "k": k, **r})
             print(f"[peer] {p['dataset']} #{p['index']} {mode} K={k}: {r['decode_tokens_per_s']:.2f} tok/s, "
                   f"{r['acceptance_length']:.2f} tokens/round", file=sys.stderr, flush=True)

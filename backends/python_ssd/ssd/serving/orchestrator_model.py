@@ -14,6 +14,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..algorithm.policy import CHOICES, ModePolicy
+from ..decoding.coalescer import CoalescingClient
 from ..decoding.generator import DecodeConfig, Generation, SharedState
 from ..decoding.stopping import StopChecker
 from ..decoding.text import TextCodec
@@ -46,7 +47,8 @@ class OrchestratorModel:
         self.max_tokens_limit = int(_p(params, "max_tokens_limit", "2048"))
         self.max_seq_len = int(_p(params, "max_seq_len", "4096"))
         self.max_active = int(_p(params, "max_active_requests", "32"))
-        self.client = BLSClient()
+        # concurrent sequences reach the engines together (see decoding/coalescer.py)
+        self.client = CoalescingClient(BLSClient(), expected=lambda: self.shared.active)
         self.metrics = Metrics()
         self.active = 0
 

@@ -1,0 +1,78 @@
+"""Makes concurrent sequences reach the engines together, so they share forwards.
+
+Triton's dynamic batcher batches what is queued when an engine becomes free. Two sequences whose
+steps happen to alternate never meet: while A's step runs, B's call waits and then runs alone while
+A's next call waits (a convoy: 2 users got no more tokens/s than 1). A barrier per operation breaks
+it: a call waits until every decoding sequence has submitted one of the same kind, or a short
+window passes, and then all of them are sent in the same event-loop tick; the engine's small
+max_queue_delay puts them into one batch. Once aligned, sequences stay aligned round after round;
+the window only costs a sequence whose peers are still busy (a prefill, a backup after a miss), and
+it is a small fraction of a step (``window_frac`` of the op's last latency, at most ``max_window``).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable
+
+OPS = ("verify", "draft", "speculate")
+
+
+class _Barrier:
+    def __init__(self, send: Callable, expected: Callable[[], int], window_frac: float, max_window: float):
+        self.send, self.expected = send, expected
+        self.window_frac, self.max_window = window_frac, max_window
+        self.pending: list[tuple[object, asyncio.Future]] = []
+        self.timer: asyncio.TimerHandle | None = None
+        self.latency = 0.0  # EMA of this op's round trip, seconds
+
+    async def __call__(self, call):
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append((call, fut))
+        if len(self.pending) >= self.expected():
+            self._flush()
+        elif self.timer is None:
+            window = min(self.max_window, self.window_frac * self.latency)
+            self.timer = asyncio.get_running_loop().call_later(window, self._flush)
+        return await fut
+
+    def _flush(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        batch, self.pending = self.pending, []
+        for call, fut in batch:  # all started in this tick: they reach the engine together
+            asyncio.ensure_future(self._run(call, fut))
+
+    async def _run(self, call, fut: asyncio.Future) -> None:
+        t0 = time.perf_counter()
+        try:
+            result = await self.send(call)
+        except Exception as e:  # noqa: BLE001 - the caller sees its own call's error
+            if not fut.done():
+                fut.set_exception(e)
+            return
+        dt = time.perf_counter() - t0
+        self.latency = dt if self.latency == 0 else 0.9 * self.latency + 0.1 * dt
+        if not fut.done():
+            fut.set_result(result)
+
+
+class CoalescingClient:
+    """Wraps a WorkerClient: verify, draft and speculate calls go through one barrier each."""
+
+    def __init__(self, inner, expected: Callable[[], int], window_frac: float = 0.1, max_window: float = 0.05):
+        self.inner = inner
+        self._barriers = {op: _Barrier(getattr(inner, op), expected, window_frac, max_window) for op in OPS}
+
+    async def verify(self, call):
+        return await self._barriers["verify"](call)
+
+    async def draft(self, call):
+        return await self._barriers["draft"](call)
+
+    async def speculate(self, call):
+        return await self._barriers["speculate"](call)
+
+    def __getattr__(self, name):  # fetch, fast_draft, release: straight through
+        return getattr(self.inner, name)
