@@ -140,14 +140,16 @@ def test_policy_dwells_before_switching_again():
 
 def test_policy_explores_choices_it_has_not_measured():
     pol = _policy()
-    pol.explore_new, pol.explore_every = 8, 64
+    pol.explore_new, pol.explore_every = 8, 256
     seen = []
     for _ in range(300):
         d = pol.choose(1, 4, 8)
         seen.append(d)
         pol.observe_round(d.choice, 3, 3 / pol.model_rates(1, 4, 8)[d.choice], 1, 4, 8)  # as predicted
     explored = [d.choice for d in seen if d.reason == "explore"]
-    assert set(explored) == set(CHOICES) - {"ssd+neural"}  # every choice the policy does not run got tried
+    # every choice the policy does not run got tried, except AR: even 1.5x its prediction is far off
+    assert set(explored) == {"sd", "ssd+fast"}
+    assert pol.rates(1, 4, 8)["ar"] * pol.explore_margin < max(pol.rates(1, 4, 8).values())
     assert all(explored.count(c) >= 3 for c in set(explored))  # until it has 3 measurements
     assert len(explored) < 0.1 * len(seen)  # and then only now and then
     assert all(d.choice == "ssd+neural" for d in seen if d.reason == "policy")

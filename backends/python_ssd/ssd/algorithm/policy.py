@@ -78,9 +78,12 @@ class ModePolicy:
     calib: dict = field(default_factory=dict)  # (choice, bucket or None for all sizes) -> Ema
     current: str = "ssd+neural"
     explore_new: int = 8  # rounds between tries of a choice with < 3 calibration samples
-    explore_every: int = 64  # ... and of one measured before
+    explore_every: int = 256  # ... and of one measured before
+    explore_margin: float = 1.5
     decisions: int = 0
     switched_at: int = 0
+    probe: str = ""  # the choice being explored, and the decision index its probe ends at
+    probe_until: int = 0
     last_run: dict = field(default_factory=dict)  # (choice, bucket) -> decision index it last ran at
 
     # -- predictions ------------------------------------------------------------------------------
@@ -136,12 +139,17 @@ class ModePolicy:
             return self._ran(_decision(first, "warmup"))
         self.decisions += 1
         bk = _bucket(batch)
-        stale = [c for c in allowed if self.decisions - self.last_run.get((c, bk), 0) >=
-                 (self.explore_new if self._calib(c, bk).count < 3 else self.explore_every)]
-        if stale:
-            pick = min(stale, key=lambda c: self.last_run.get((c, bk), 0))
-            return self._ran(_decision(pick, "explore"), bk)
         rates = self.rates(batch, k, budget)
+        if self.probe in allowed and self.decisions < self.probe_until:
+            return self._ran(_decision(self.probe, "explore", rates), bk)
+        top = max(rates[c] for c in allowed)
+        stale = [c for c in allowed if self.decisions - self.last_run.get((c, bk), 0) >=
+                 (self.explore_new if self._calib(c, bk).count < 3 else self.explore_every)
+                 and rates[c] * self.explore_margin >= top]
+        if stale:
+            self.probe = min(stale, key=lambda c: self.last_run.get((c, bk), 0))
+            self.probe_until = self.decisions + 2 * max(batch, 2)
+            return self._ran(_decision(self.probe, "explore", rates), bk)
         best = max(allowed, key=lambda c: rates[c])
         cur = self.current if self.current in allowed else best
         settled = self.decisions - self.switched_at >= self.min_dwell

@@ -47,8 +47,10 @@ class OrchestratorModel:
         self.max_tokens_limit = int(_p(params, "max_tokens_limit", "2048"))
         self.max_seq_len = int(_p(params, "max_seq_len", "4096"))
         self.max_active = int(_p(params, "max_active_requests", "32"))
-        # concurrent sequences reach the engines together (see decoding/coalescer.py)
-        self.client = CoalescingClient(BLSClient(), expected=lambda: self.shared.active)
+        # concurrent sequences reach the engines together (see decoding/coalescer.py); 0 disables
+        window_ms = float(_p(params, "coalesce_window_ms", "50"))
+        self.client = CoalescingClient(BLSClient(), expected=lambda: self.shared.active,
+                                       max_window=window_ms / 1000) if window_ms > 0 else BLSClient()
         self.metrics = Metrics()
         self.active = 0
 
