@@ -51,8 +51,7 @@ def test_peer_matches_our_greedy_ar(engine_root, codec, tmp_path):
     for r in rows:
         # the same token ids (chat template included), the same greedy continuation (fp32 on both sides)
         assert r["ids"][:len(ar[r["prompt"]])] == ar[r["prompt"]], (r["mode"], r["prompt"])
-        assert r["decode_tokens_per_s"] > 0
-        assert r["acceptance_length"] >= (1.0 if r["mode"] == "assisted" else 0.0)
+        assert r["decode_tokens_per_s"] > 0 and r["target_forwards"] >= 1
 
 
 def test_report_counts_divergences_and_fits_the_miss_rate(tmp_path):
