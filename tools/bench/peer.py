@@ -71,7 +71,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--drafter", type=Path, required=True)
-    ap.add_argument("--prompts", type=Path, required=True, help="JSON: [{dataset, prompt, ids}]")
+    ap.add_argument("--prompts", type=Path, required=True, help="JSON: [{dataset, index, ids}]")
     ap.add_argument("--cores", default="0,1")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--k", default="2", help="assistant tokens per round; several: 2,4")

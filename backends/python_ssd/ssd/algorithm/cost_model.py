@@ -45,6 +45,3 @@ class StepCost:
                 return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
         r, s = pts[-1]
         return s * rows / r  # beyond every measurement: assume compute-bound (linear in rows)
-
-    def snapshot(self) -> dict[int, float]:
-        return {int(round(r)): round(s, 5) for r, s, _ in sorted(self.buckets.values())}

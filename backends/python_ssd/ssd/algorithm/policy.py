@@ -22,15 +22,17 @@ memory bandwidth) is learned as a calibration factor per choice and batch-size b
 4-7, ...): measured tokens/s over predicted, from the rounds that choice ran at that batch size
 (the choice's factor over all sizes until a bucket has 3 rounds). So the formulas extrapolate and
 the measurements decide. Statistics only come from running a choice, so one that has not run at
-this batch size for a while gets a single round (``explore``): 1 in 8 rounds while it has fewer
-than 3 measurements there, 1 in 64 after. A new choice must predict ``hysteresis`` more than the
-current one, and a choice stays at least ``min_dwell`` rounds: every switch into SSD costs a round
+this batch size for a while gets a probe (``explore``): every sequence runs it for the next ~2
+rounds, so it is measured the way it would run (a lone SSD round among SD rounds would stall the
+drafter for the whole batch); 1 probe per 8 rounds while the choice has fewer than 3 measurements
+there, 1 per 256 after, and never while even ``explore_margin`` times its prediction stays below
+the best one. A new choice must predict ``hysteresis`` more than the current one, and a choice
+stays at least ``min_dwell`` rounds: every switch into SSD costs a round
 without a cached draft, so flapping on noise would cost more than it gains.
 """
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 
 from .cost_model import StepCost
@@ -125,6 +127,7 @@ class ModePolicy:
             ratio = min(max(tokens / seconds / predicted, 0.1), 10.0)
             self._calib(choice, _bucket(batch)).update(ratio)
             self._calib(choice, None).update(ratio)
+
     def choose(self, batch: int, k: int, budget: int, allowed: tuple[str, ...] = CHOICES) -> Decision:
         """The choice for the next round, among ``allowed`` (a request may pin its mode)."""
         if self.forced_mode and self.forced_mode in allowed:
@@ -177,13 +180,6 @@ class ModePolicy:
         curve = self.target if engine == "target" else self.drafter
         for rows, seconds in timing:
             curve.observe(rows, seconds)
-
-    def snapshot(self) -> dict:
-        return {"p_hit": round(self.p_hit.value, 3), "e_hit": round(self.e_hit.value, 3),
-                "e_miss_neural": round(self.e_miss["neural"].value, 3),
-                "e_miss_fast": round(self.e_miss["fast"].value, 3), "t_fast_ms": round(1000 * self.t_fast.value, 2),
-                "target_s_by_rows": self.target.snapshot(), "drafter_s_by_rows": self.drafter.snapshot(),
-                "current": self.current}
 
 
 def _bucket(batch: int) -> int:

@@ -20,7 +20,7 @@ from typing import AsyncIterator, Protocol
 
 from ..algorithm.fanout import FanoutEstimator, allocate
 from ..algorithm.ngram import propose
-from ..algorithm.policy import CHOICES, Decision, ModePolicy
+from ..algorithm.policy import Decision, ModePolicy
 from ..algorithm.sampling import SamplingParams
 from ..algorithm.stats import RequestStats
 from ..workers.protocol import (DraftCall, DraftResult, FetchCall, SpeculateCall, SpeculateResult,
@@ -179,10 +179,10 @@ class Generation:
         allowed = self.cfg.allowed()
         if not self.drafter_ok:  # only the target and the n-gram backup are left
             allowed = ("ar",) if self.cfg.mode == "ar" else ("ssd+fast", "ar")
-            d = self.shared.policy.choose(self.shared.active, self.cfg.k, self.cfg.fanout_budget, allowed)
+        d = self.shared.policy.choose(self.shared.active, self.cfg.k, self.cfg.fanout_budget, allowed)
+        if not self.drafter_ok:
             d.reason = "drafter down"
-            return d
-        return self.shared.policy.choose(self.shared.active, self.cfg.k, self.cfg.fanout_budget, allowed)
+        return d
 
     # -- the rounds ---------------------------------------------------------------------------------
     async def _rounds(self, prefix):
