@@ -8,17 +8,18 @@ from ssd.decoding.coalescer import CoalescingClient
 
 
 class Engine:
-    """A fake engine that records which calls were sent in the same event-loop tick."""
+    """A fake engine process that records the messages it received (each a list of calls)."""
 
     def __init__(self, step: float):
         self.step, self.sent = step, []
 
-    async def verify(self, call):
-        self.sent.append((round(time.perf_counter(), 3), call))
-        await asyncio.sleep(self.step)
+    def answer(self, call):
         return f"ok {call}"
 
-    draft = speculate = verify
+    async def call_many(self, op, calls):
+        self.sent.append(list(calls))
+        await asyncio.sleep(self.step)
+        return [self.answer(c) for c in calls]
 
     async def release(self, seq_id):
         return seq_id
@@ -42,11 +43,9 @@ def test_staggered_sequences_are_sent_together():
 
     sent, a, b = asyncio.run(main())
     assert a == ["ok a0", "ok a1", "ok a2"] and b == ["ok b0", "ok b1", "ok b2"]  # each gets its own result
-    # round 0: no latency measured yet, so no window (b came 20 ms late); from then on aligned
-    assert len({t for t, c in sent if c in ("a0", "b0")}) == 2
-    for i in (1, 2):  # round i of both sequences left in the same tick
-        times = {t for t, c in sent if c in (f"a{i}", f"b{i}")}
-        assert len(times) == 1, sent
+    # round 0: no latency measured yet, so no window (b came 20 ms late): two messages;
+    # from then on round i of both sequences travels as one message
+    assert sent == [["a0"], ["b0"], ["a1", "b1"], ["a2", "b2"]]
 
 
 def test_a_lone_or_late_peer_does_not_block():
@@ -63,14 +62,27 @@ def test_a_lone_or_late_peer_does_not_block():
 
 def test_errors_reach_only_their_caller():
     class Failing(Engine):
-        async def verify(self, call):
-            if call == "bad":
-                raise RuntimeError("boom")
-            return await super().verify(call)
+        def answer(self, call):  # the engine reports a failed call in its place in the message
+            return RuntimeError("boom") if call == "bad" else super().answer(call)
 
     async def main():
-        client = CoalescingClient(Failing(0.01), expected=lambda: 2)
-        return await asyncio.gather(client.verify("bad"), client.verify("good"), return_exceptions=True)
+        eng = Failing(0.01)
+        client = CoalescingClient(eng, expected=lambda: 2)
+        out = await asyncio.gather(client.verify("bad"), client.verify("good"), return_exceptions=True)
+        return eng.sent, out
 
-    bad, good = asyncio.run(main())
+    sent, (bad, good) = asyncio.run(main())
+    assert sent == [["bad", "good"]]  # one message, two outcomes
     assert isinstance(bad, RuntimeError) and good == "ok good"
+
+
+def test_a_failed_message_fails_each_of_its_callers():
+    class Down(Engine):
+        async def call_many(self, op, calls):
+            raise ConnectionError("engine process gone")
+
+    async def main():
+        client = CoalescingClient(Down(0.01), expected=lambda: 2)
+        return await asyncio.gather(client.speculate("a"), client.speculate("b"), return_exceptions=True)
+
+    assert all(isinstance(r, ConnectionError) for r in asyncio.run(main()))

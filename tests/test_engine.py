@@ -114,3 +114,47 @@ def test_padded_steps_match_unpadded(engine_root, codec):
         sa.append(int(la.argmax()))
         sb.append(int(lb.argmax()))
     assert sa == sb
+
+
+def test_rows_are_batch_invariant_in_bf16(engine_root, codec):
+    """A sequence's logits are bit-identical whether it runs alone or among many other sequences
+    (more than 32 rows in the forward, a long prefill among them): the exact mode's GEMM tiles."""
+    from ssd.engine.engine import ExtendCall, TorchEngine
+
+    e = TorchEngine(engine_root / TARGET, dtype="bfloat16", step_rows=8)
+    ids = _ids(codec, 0)
+    steps = [ids + [100 + i for i in range(j)] for j in range(1, 5)]  # decode, and 2..4-row verifies
+
+    def run(with_peers: bool) -> list[torch.Tensor]:
+        e.release("a")
+        e.extend([ExtendCall("a", ids, 1)])
+        out = []
+        for j, toks in enumerate(steps):
+            e.truncate("a", len(ids))
+            calls, at = [ExtendCall("a", toks, len(toks) - len(ids))], 0
+            if with_peers:
+                for p in range(9):  # 9 peers x 5 rows, and a fresh 40-token prefill
+                    e.release(f"p{p}")
+                    e.extend([ExtendCall(f"p{p}", _ids(codec, p % 6), 1)])
+                    calls.append(ExtendCall(f"p{p}", _ids(codec, p % 6) + [7, 8, 9, 10, 11], 6))
+                e.release("long")
+                at = j % 2  # the prefill before or after "a"
+                calls.insert(1 - at, ExtendCall("long", [(13 * i) % 5000 + 50 for i in range(40)], 1))
+            out.append(e.extend(calls)[at])
+        return out
+
+    alone, crowded = run(False), run(True)
+    for x, y in zip(alone, crowded):
+        assert torch.equal(x, y)
+
+
+def test_invariant_tiles_cover_every_row_once():
+    from ssd.engine.model import invariant_tiles
+
+    sizes = [5, 5, 40, 1, 3, 8, 8, 8, 8, 8, 33]
+    tiles = invariant_tiles(sizes)
+    assert tiles[0][0] == 0 and tiles[-1][1] == sum(sizes)
+    assert all(a[1] == b[0] for a, b in zip(tiles, tiles[1:]))  # contiguous, in order
+    assert (10, 50) in tiles and (94, 127) in tiles  # a sequence of more than 32 rows runs alone
+    assert all(b - a <= 32 for a, b in tiles if (a, b) not in ((10, 50), (94, 127)))
+    assert invariant_tiles([1]) == [(0, 1)] and invariant_tiles([]) == []

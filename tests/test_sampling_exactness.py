@@ -43,13 +43,15 @@ from ssd.algorithm.stats import RequestStats  # noqa: E402
 from ssd.algorithm.sampling import SamplingParams, probs_from_logits, sample, saguaro  # noqa: E402
 from ssd.algorithm.verification import Outcome  # noqa: E402
 from ssd.algorithm.policy import ModePolicy  # noqa: E402
+from ssd.decoding.coalescer import CoalescingClient  # noqa: E402
 from ssd.decoding.generator import DecodeConfig, Generation, SharedState  # noqa: E402
+from ssd.decoding.local_client import LocalClient  # noqa: E402
 from ssd.engine.engine import ExtendCall, TorchEngine  # noqa: E402
 from ssd.workers import drafter as drafter_mod, target as target_mod  # noqa: E402
 from ssd.workers.drafter import DrafterWorker  # noqa: E402
 from ssd.workers.fast_backup import NgramWorker  # noqa: E402
 from ssd.workers.target import TargetWorker  # noqa: E402
-from tiny_models import BatchingClient, load_weights, make_tiny_engine  # noqa: E402
+from tiny_models import load_weights, make_tiny_engine  # noqa: E402
 
 ALPHA = 1e-3
 N = int(os.environ.get("SSD_EXACTNESS_N", "1000"))  # generations per config (CI: ~2 min budget)
@@ -156,10 +158,12 @@ def from_cache(st: RequestStats) -> list[bool]:
 def generate(tiny: dict, mode: str, params: SamplingParams, c: float, backup: str, seed0: int,
              tag: str, n: int = N, width: int = 32) -> tuple[list[list[int]], list[RequestStats]]:
     """n generations of L tokens (seeds seed0..seed0+n-1), width of them in flight at a time."""
-    client = BatchingClient(TargetWorker(tiny["target"]), DrafterWorker(tiny["drafter"]), NgramWorker())
+    shared = SharedState()
+    # concurrent generations share batched worker calls through the server's own round barrier
+    client = CoalescingClient(LocalClient(TargetWorker(tiny["target"]), DrafterWorker(tiny["drafter"]), NgramWorker()),
+                              expected=lambda: shared.active)
     cfg = DecodeConfig(mode="ssd" if mode == "switch" else mode, k=K, fanout_budget=FANOUT, saguaro_c=c,
                        backup=backup, step_aside=mode == "switch")
-    shared = SharedState()
     if mode == "switch":
         shared.policy = CyclingPolicy()
         shared.policy.rounds = 0

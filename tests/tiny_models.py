@@ -1,5 +1,4 @@
-"""Tiny random Llama-style engine folders for tests (no downloads, built in milliseconds), and a
-batching in-process client that makes thousands of generations over them affordable.
+"""Tiny random Llama-style engine folders for tests (no downloads, built in milliseconds).
 
 A folder holds what ``TorchEngine`` loads: an HF-style ``config.json``, ``model.safetensors`` with
 HF tensor names and ``engine.json``. Weights are random but scaled so that next-token distributions
@@ -8,7 +7,6 @@ they depend on the context (otherwise a joint-distribution test says little abou
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import sys
@@ -18,7 +16,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "python_ssd"))
-from ssd.decoding.local_client import LocalClient  # noqa: E402
 
 
 def make_tiny_engine(folder: str | Path, seed: int, vocab: int = 16, hidden: int = 32, layers: int = 2,
@@ -77,39 +74,3 @@ def make_tiny_engine(folder: str | Path, seed: int, vocab: int = 16, hidden: int
 
 def load_weights(folder: str | Path) -> dict[str, torch.Tensor]:
     return load_file(str(Path(folder) / "model.safetensors"))
-
-
-class BatchingClient(LocalClient):
-    """A LocalClient that runs the calls of concurrent Generations as one batched worker call per
-    (worker, method), in the event-loop thread, like the server's batcher: about 2x faster here."""
-
-    def __init__(self, *workers):
-        super().__init__(*workers)
-        self._pending: dict[tuple[int, str], tuple[object, list]] = {}
-        self._scheduled = False
-
-    async def _call(self, worker, method: str, call):
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._pending.setdefault((id(worker), method), (worker, []))[1].append((call, fut))
-        if not self._scheduled:
-            self._scheduled = True
-            loop.call_soon(self._flush, -1, 0)
-        return await fut
-
-    def _flush(self, last: int, quiet: int) -> None:
-        # wait for a few loop passes without new calls: every runnable Generation has queued by then
-        n = sum(len(items) for _, items in self._pending.values())
-        if n != last or quiet < 2:
-            asyncio.get_running_loop().call_soon(self._flush, n, quiet + 1 if n == last else 0)
-            return
-        pending, self._pending, self._scheduled = self._pending, {}, False
-        for (_, method), (worker, items) in pending.items():
-            try:
-                results = getattr(worker, method)([c for c, _ in items])
-            except Exception as e:  # surface worker errors in the Generation that made the call
-                for _, f in items:
-                    f.set_exception(e)
-                continue
-            for (_, f), r in zip(items, results):
-                f.set_result(r)

@@ -4,8 +4,9 @@ Triton's dynamic batcher batches what is queued when an engine becomes free. Two
 steps happen to alternate never meet: while A's step runs, B's call waits and then runs alone while
 A's next call waits (a convoy: 2 users got no more tokens/s than 1). A barrier per operation breaks
 it: a call waits until every decoding sequence has submitted one of the same kind, or a short
-window passes, and then all of them are sent in the same event-loop tick; the engine's small
-max_queue_delay puts them into one batch. Once aligned, sequences stay aligned round after round;
+window passes, and then all of them leave as one message (``call_many``): one BLS request, so the
+engine gets the whole round in one execute. (Sent as N requests in the same tick, they still
+reached the engine in groups: Triton's queue hands the model what has arrived, not what was sent.) Once aligned, sequences stay aligned round after round;
 the window only costs a sequence whose peers are still busy (a prefill, a backup after a miss), and
 it is a small fraction of a step (``window_frac`` of the op's last latency, at most ``max_window``).
 """
@@ -19,12 +20,13 @@ OPS = ("verify", "draft", "speculate")
 
 
 class _Barrier:
-    def __init__(self, send: Callable, expected: Callable[[], int], window_frac: float, max_window: float):
-        self.send, self.expected = send, expected
+    def __init__(self, op: str, send: Callable, expected: Callable[[], int], window_frac: float, max_window: float):
+        self.op, self.send, self.expected = op, send, expected
         self.window_frac, self.max_window = window_frac, max_window
         self.pending: list[tuple[object, asyncio.Future]] = []
         self.timer: asyncio.TimerHandle | None = None
         self.latency = 0.0  # EMA of this op's round trip, seconds
+        self.in_flight: set[asyncio.Task] = set()  # the loop holds tasks weakly: keep them alive
 
     async def __call__(self, call):
         fut = asyncio.get_running_loop().create_future()
@@ -41,29 +43,36 @@ class _Barrier:
             self.timer.cancel()
             self.timer = None
         batch, self.pending = self.pending, []
-        for call, fut in batch:  # all started in this tick: they reach the engine together
-            asyncio.ensure_future(self._run(call, fut))
+        if batch:
+            task = asyncio.ensure_future(self._run(batch))
+            self.in_flight.add(task)
+            task.add_done_callback(self.in_flight.discard)
 
-    async def _run(self, call, fut: asyncio.Future) -> None:
+    async def _run(self, batch: list[tuple[object, asyncio.Future]]) -> None:
         t0 = time.perf_counter()
         try:
-            result = await self.send(call)
-        except Exception as e:  # noqa: BLE001 - the caller sees its own call's error
-            if not fut.done():
-                fut.set_exception(e)
-            return
-        dt = time.perf_counter() - t0
-        self.latency = dt if self.latency == 0 else 0.9 * self.latency + 0.1 * dt
-        if not fut.done():
-            fut.set_result(result)
+            results = await self.send(self.op, [call for call, _ in batch])
+        except Exception as e:  # noqa: BLE001 - the message failed as a whole: every caller sees it
+            results = [e] * len(batch)
+        else:
+            dt = time.perf_counter() - t0
+            self.latency = dt if self.latency == 0 else 0.9 * self.latency + 0.1 * dt
+        for (_, fut), r in zip(batch, results):
+            if fut.done():
+                continue
+            if isinstance(r, Exception):  # one call's error reaches only its caller
+                fut.set_exception(r)
+            else:
+                fut.set_result(r)
 
 
 class CoalescingClient:
-    """Wraps a WorkerClient: verify, draft and speculate calls go through one barrier each."""
+    """Wraps a WorkerClient with ``call_many(op, calls) -> results | exceptions in order``: verify,
+    draft and speculate calls go through one barrier each."""
 
     def __init__(self, inner, expected: Callable[[], int], window_frac: float = 0.1, max_window: float = 0.05):
         self.inner = inner
-        self._barriers = {op: _Barrier(getattr(inner, op), expected, window_frac, max_window) for op in OPS}
+        self._barriers = {op: _Barrier(op, inner.call_many, expected, window_frac, max_window) for op in OPS}
 
     async def verify(self, call):
         return await self._barriers["verify"](call)

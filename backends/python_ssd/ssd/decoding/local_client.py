@@ -17,10 +17,21 @@ class LocalClient:
         self._locks = {id(w): threading.Lock() for w in (target, drafter, fast) if w is not None}
 
     async def _call(self, worker, method: str, call):
+        return (await self._run(worker, method, [call]))[0]
+
+    async def _run(self, worker, method: str, calls: list) -> list:
         def run():
             with self._locks[id(worker)]:
-                return getattr(worker, method)([call])[0]
+                return getattr(worker, method)(calls)
         return await asyncio.to_thread(run)
+
+    async def call_many(self, op: str, calls: list) -> list:
+        """One batched worker call for many sequences (what the coalescer sends per round)."""
+        worker = {"verify": self.target, "fast_draft": self.fast}.get(op, self.drafter)
+        try:
+            return await self._run(worker, "draft" if op == "fast_draft" else op, calls)
+        except Exception as e:  # noqa: BLE001 - as an engine process reports it: every call of the batch failed
+            return [e] * len(calls)
 
     async def verify(self, call: VerifyCall) -> VerifyResult:
         return await self._call(self.target, "verify", call)

@@ -73,21 +73,66 @@ def _packing_available() -> bool:
     return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
 
 
+# Batch invariance. oneDNN's bf16 GEMM gives a row the same bits for any row count from 2 to 32
+# (the AVX-512 kernel); a single row takes a different path, and above 32 rows it switches to AMX
+# tiles whose results depend on the row count (measured on this Xeon for every projection of the
+# default target, 1 and 2 threads). So an exact forward runs its GEMMs in tiles of 2..32 rows and a
+# row's logits do not depend on what else shares the forward: greedy output under any concurrency
+# equals the lone request's.
+TILE = 32
+
+
+def invariant_tiles(sizes: list[int], tile: int = TILE) -> list[tuple[int, int]]:
+    """Row ranges [a, b) of a forward over sequences with ``sizes`` new rows, to run as separate
+    GEMMs so that every row's result depends on its own sequence only. A sequence with more than
+    ``tile`` rows (a prefill) is a range of its own: the same rows alone in every mode and batch.
+    The other sequences' rows are split into balanced tiles of at most ``tile`` rows (a 1-row
+    tile is padded to 2 by Linear)."""
+    out, run_start, off = [], 0, 0
+
+    def close_run(end: int) -> None:
+        n = end - run_start
+        if n:
+            k = -(-n // tile)
+            cuts = [run_start + round(i * n / k) for i in range(k + 1)]
+            out.extend(zip(cuts[:-1], cuts[1:]))
+
+    for n in sizes:
+        if n > tile:
+            close_run(off)
+            out.append((off, off + n))
+            run_start = off + n
+        off += n
+    close_run(off)
+    return out
+
+
 class Linear:
     """y = x W^T + b. On CPU the weight is reordered once into oneDNN's blocked layout: decode is
     memory-bound, and the packed kernels stream weights about 2x faster than a plain bf16 GEMM
-    (measured here: 19.4 vs 8.1 GB/s on one core). Rows of a forward with up to a few dozen rows
-    come out bit-identical whatever the row count, which exactness across modes relies on."""
+    (measured here: 19.4 vs 8.1 GB/s on one core)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool):
         self.bias = bias
         self.packed = pack and weight.device.type == "cpu" and _packing_available()
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 8) if self.packed else weight
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def __call__(self, x: torch.Tensor, tiles: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        """``tiles``: row ranges run as separate GEMMs (see invariant_tiles); None: one GEMM."""
+        if tiles is None or (len(tiles) == 1 and tiles[0][1] - tiles[0][0] > 1):
+            return self._gemm(x)
+        outs = []
+        for a, b in tiles:
+            if b - a == 1:  # a lone row would take the single-row path: pair it with itself
+                outs.append(self._gemm(x[a:b].expand(2, -1).contiguous())[:1])
+            else:
+                outs.append(self._gemm(x[a:b]))
+        return torch.cat(outs)
 
 
 class Transformer:
@@ -183,9 +228,12 @@ class Transformer:
     # -- the forward ----------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, batch: list[RowBatch], exact: bool = False) -> list[torch.Tensor]:
-        """Runs the rows of every sequence; writes their K/V; returns float32 logits per sequence."""
+        """Runs the rows of every sequence; writes their K/V; returns float32 logits per sequence.
+        ``exact``: every row's result depends on its own sequence only (per-row attention, GEMMs
+        in invariant tiles), so it is the same in any mode and any batch."""
         c = self.config
         sizes = [rb.tokens.numel() for rb in batch]
+        tiles = invariant_tiles(sizes) if exact else None
         for rb, n in zip(batch, sizes):
             rb.kv.reserve(rb.start + n)
         tokens = torch.cat([rb.tokens for rb in batch])
@@ -195,7 +243,7 @@ class Transformer:
         hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
         for li, L in enumerate(self.layers):
             h = self._rms(x, L["ln1"])
-            qkv = L["qkv"](h)
+            qkv = L["qkv"](h, tiles)
             q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
             attn_out = []
             off = 0
@@ -206,18 +254,19 @@ class Transformer:
                 rb.kv.write(li, rb.start, ki, v[sl].view(n, hk, d).transpose(0, 1))
                 attn_out.append(self._attend(qi, rb, li, exact))
                 off += n
-            x = x + L["o"](torch.cat(attn_out))
+            x = x + L["o"](torch.cat(attn_out), tiles)
             h = self._rms(x, L["ln2"])
-            gate, up = L["gate_up"](h).chunk(2, dim=-1)
-            x = x + L["down"](F.silu(gate) * up)
+            gate, up = L["gate_up"](h, tiles).chunk(2, dim=-1)
+            x = x + L["down"](F.silu(gate) * up, tiles)
         # Only the rows that need logits go through the (large) output projection.
         keep, off = [], 0
         for rb, n in zip(batch, sizes):
             keep.append(torch.arange(off + rb.logits_from, off + n))
             off += n
         rows = torch.cat(keep)
-        logits = self.lm_head(self._rms(x[rows], self.norm)).float()
+        n_logits = [n - rb.logits_from for rb, n in zip(batch, sizes)]
+        logits = self.lm_head(self._rms(x[rows], self.norm), invariant_tiles(n_logits) if exact else None).float()
         if self.head_vocab < c.vocab_size:
             pad = logits.new_full((logits.shape[0], c.vocab_size - self.head_vocab), float("-inf"))
             logits = torch.cat([logits, pad], dim=-1)
-        return list(logits.split([n - rb.logits_from for rb, n in zip(batch, sizes)]))
+        return list(logits.split(n_logits))

@@ -1,8 +1,10 @@
 """An engine server: the `target`, `drafter_primary` and `drafter_backup` models.
 
-Non-decoupled; Triton's dynamic batcher hands `execute` every call queued while the previous batch
-ran, so concurrent sequences share one forward (continuous batching between rounds). Calls are
-grouped by op and each group goes to the worker in one batched call. A bad call fails alone.
+Non-decoupled. Each request carries one op's calls of one or many sequences (the orchestrator's
+coalescer sends a round's calls as one request), and Triton's dynamic batcher hands `execute`
+every request queued while the previous batch ran. All calls of an op, over all requests, go to
+the worker as one batched call: concurrent sequences share one forward (continuous batching
+between rounds). A bad call fails alone.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from ..workers.factory import build_worker
-from ..workers.protocol import decode_call, encode_result
+from ..workers.protocol import CallError, decode_calls, encode_results
 from .roles import resolve_engine_dir
 
 
@@ -22,35 +24,39 @@ class EngineModel:
         self.worker = build_worker(role, params, resolve_engine_dir(engine) if engine else None)
 
     def execute(self, requests):
-        responses = [None] * len(requests)
-        groups: dict[str, list[tuple[int, object]]] = {}
-        for i, req in enumerate(requests):
+        slots: list[list | str] = []  # per request: its results in call order, or why it failed as a whole
+        groups: dict[str, list[tuple[list, int, object]]] = {}
+        for req in requests:
             try:
                 payload = pb_utils.get_input_tensor_by_name(req, "request").as_numpy().reshape(-1)[0]
                 probs_t = pb_utils.get_input_tensor_by_name(req, "probs")
                 probs = torch.from_numpy(probs_t.as_numpy()[0].copy()) if probs_t is not None else None
-                op, call = decode_call(payload, probs)
-                if op == "release":  # end of a sequence: drop its KV and speculation cache
+                op, calls = decode_calls(payload, probs)
+            except Exception as e:  # noqa: BLE001 - one bad request must not fail the batch
+                slots.append(f"{self.role}: bad request: {type(e).__name__}: {e}")
+                continue
+            out = [None] * len(calls)
+            slots.append(out)
+            for j, call in enumerate(calls):
+                if isinstance(call, CallError):
+                    out[j] = call
+                elif op == "release":  # end of a sequence: drop its KV and speculation cache
                     self.worker.release(call.seq_id)
-                    responses[i] = self._ok(None)
-                    continue
-                groups.setdefault(op, []).append((i, call))
-            except Exception as e:  # noqa: BLE001 - one bad call must not fail the batch
-                responses[i] = self._error(f"{self.role}: bad call: {e}")
+                else:
+                    groups.setdefault(op, []).append((out, j, call))
         for op, items in groups.items():
             try:
                 method = getattr(self.worker, "draft" if op == "fast_draft" else op)
-                results = method([c for _, c in items])
-                for (i, _), r in zip(items, results):
-                    responses[i] = self._ok(r)
+                for (out, j, _), r in zip(items, method([c for _, _, c in items])):
+                    out[j] = r
             except Exception as e:  # noqa: BLE001
-                for i, _ in items:
-                    responses[i] = self._error(f"{self.role}.{op} failed: {type(e).__name__}: {e}")
-        return responses
+                for out, j, _ in items:
+                    out[j] = CallError(f"{self.role}.{op} failed: {type(e).__name__}: {e}")
+        return [self._error(s) if isinstance(s, str) else self._ok(s) for s in slots]
 
     @staticmethod
-    def _ok(result):
-        payload, probs = encode_result(result)
+    def _ok(results: list):
+        payload, probs = encode_results(results)
         outs = [pb_utils.Tensor("response", np.array([[payload]], dtype=np.object_))]
         arr = probs.numpy().astype(np.float32)[None] if probs is not None else np.zeros((1, 0, 0), np.float32)
         outs.append(pb_utils.Tensor("probs", arr))

@@ -1,12 +1,13 @@
 """The calls the orchestrator makes to the engine processes, as plain dataclasses.
 
-Control data travels as JSON; probability rows (only needed when sampling) travel as one float32
+A message carries one op's calls of any number of sequences (the coalescer sends a whole round's
+calls as one), control data as JSON, probability rows (only needed when sampling) as one float32
 tensor beside it. The same objects are used in-process (tests, benchmarks) and over Triton BLS.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
@@ -85,29 +86,59 @@ CALLS = {"verify": VerifyCall, "draft": DraftCall, "fast_draft": DraftCall, "spe
          "fetch": FetchCall, "release": ReleaseCall}
 
 
-def encode_call(op: str, call) -> tuple[bytes, torch.Tensor | None]:
-    d = asdict(call) if not hasattr(call, "draft_probs") else {
-        k: v for k, v in asdict(call).items() if k != "draft_probs"}
-    if "params" in d and isinstance(call.params, SamplingParams):
-        d["params"] = call.params.to_dict()
-    probs = getattr(call, "draft_probs", None)
-    return json.dumps({"op": op, "call": d}).encode(), probs
+class CallError(RuntimeError):
+    """One call of a batch failed in the engine process; the others of the batch are unaffected."""
 
 
-def decode_call(payload: bytes, probs: torch.Tensor | None):
+def _fields(call) -> dict:
+    d = {f.name: getattr(call, f.name) for f in fields(call) if f.name != "draft_probs"}
+    if isinstance(d.get("params"), SamplingParams):
+        d["params"] = d["params"].to_dict()
+    return d
+
+
+def _stack(rows: list[torch.Tensor | None]) -> tuple[list[int], torch.Tensor | None]:
+    """Ragged [n_i, V] probability blocks as one tensor plus the row count of each (0: none)."""
+    counts = [0 if r is None else int(r.shape[0]) for r in rows]
+    present = [r for r in rows if r is not None and r.numel()]
+    return counts, torch.cat(present) if present else None
+
+
+def _unstack(counts: list[int], probs: torch.Tensor | None) -> list[torch.Tensor | None]:
+    out, at = [], 0
+    for n in counts:
+        out.append(probs[at:at + n] if n and probs is not None else None)
+        at += n
+    return out
+
+
+def encode_calls(op: str, calls: list) -> tuple[bytes, torch.Tensor | None]:
+    """Many sequences' calls of one op as one message: one BLS request carries a whole round."""
+    counts, probs = _stack([getattr(c, "draft_probs", None) for c in calls])
+    return json.dumps({"op": op, "calls": [_fields(c) for c in calls], "prob_rows": counts}).encode(), probs
+
+
+def decode_calls(payload: bytes, probs: torch.Tensor | None) -> tuple[str, list]:
+    """(op, calls); a call that does not decode is a CallError in its place, the rest still run."""
     msg = json.loads(payload)
     op = msg["op"]
     if op not in CALLS:
         raise ValueError(f"unknown op {op!r}")
-    d = msg["call"]
-    if "params" in d:
-        d["params"] = SamplingParams.from_dict(d["params"])
-    if "key" in d:
-        d["key"] = tuple(d["key"])
-    call = CALLS[op](**d)
-    if op == "verify":
-        call.draft_probs = probs if probs is not None and probs.numel() else None
-    return op, call
+    rows = _unstack(msg.get("prob_rows", [0] * len(msg["calls"])), probs)
+    calls = []
+    for d, p in zip(msg["calls"], rows):
+        try:
+            if "params" in d:
+                d["params"] = SamplingParams.from_dict(d["params"])
+            if "key" in d:
+                d["key"] = tuple(d["key"])
+            call = CALLS[op](**d)
+            if op == "verify":
+                call.draft_probs = p
+            calls.append(call)
+        except Exception as e:  # noqa: BLE001 - reported to this call's sender only
+            calls.append(CallError(f"bad {op} call: {type(e).__name__}: {e}"))
+    return op, calls
 
 
 def attach_timing(results: list, timing: list) -> list:
@@ -118,25 +149,37 @@ def attach_timing(results: list, timing: list) -> list:
     return results
 
 
-def encode_result(result) -> tuple[bytes, torch.Tensor | None]:
+def _result_fields(result) -> dict:
     if result is None:
-        return b"{}", None
-    timing = getattr(result, "timing", [])
+        return {}
+    if isinstance(result, Exception):
+        return {"error": str(result)}
     if isinstance(result, SpeculateResult):
-        d = {"branches": [[k, t, toks] for (k, t), toks in result.branches.items()], "timing": timing}
-        return json.dumps(d).encode(), None
+        return {"branches": [[k, t, toks] for (k, t), toks in result.branches.items()], "timing": result.timing}
     if isinstance(result, DraftResult):
-        return json.dumps({"tokens": result.tokens, "timing": timing}).encode(), result.probs
-    return json.dumps(asdict(result)).encode(), None
+        return {"tokens": result.tokens, "timing": result.timing}
+    return asdict(result)
 
 
-def decode_result(op: str, payload: bytes, probs: torch.Tensor | None):
-    d = json.loads(payload)
-    if op == "verify":
-        return VerifyResult(**d)
-    if op == "release":
-        return None
-    timing = d.get("timing", [])
-    if op == "speculate":
-        return SpeculateResult({(k, t): toks for k, t, toks in d["branches"]}, timing)
-    return DraftResult(d["tokens"], probs if probs is not None and probs.numel() else None, timing)
+def encode_results(results: list) -> tuple[bytes, torch.Tensor | None]:
+    """The answers to one message of calls, in order; an Exception becomes that call's error."""
+    counts, probs = _stack([r.probs if isinstance(r, DraftResult) else None for r in results])
+    return json.dumps({"results": [_result_fields(r) for r in results], "prob_rows": counts}).encode(), probs
+
+
+def decode_results(op: str, payload: bytes, probs: torch.Tensor | None) -> list:
+    """Results in call order; a call that failed in the engine is a CallError in its place."""
+    msg = json.loads(payload)
+    out = []
+    for d, p in zip(msg["results"], _unstack(msg["prob_rows"], probs)):
+        if "error" in d:
+            out.append(CallError(d["error"]))
+        elif op == "verify":
+            out.append(VerifyResult(**d))
+        elif op == "release":
+            out.append(None)
+        elif op == "speculate":
+            out.append(SpeculateResult({(k, t): toks for k, t, toks in d["branches"]}, d.get("timing", [])))
+        else:
+            out.append(DraftResult(d["tokens"], p, d.get("timing", [])))
+    return out
