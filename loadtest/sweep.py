@@ -99,7 +99,7 @@ def start_server(a):
         build(REPO / "engines" / "tiny.yaml", engine_root, REPO / "engines" / ".cache")  # no-op when built
         overrides = {
             "ssd": {"tokenizer": TINY_TARGET},
-            "target": {"engine": TINY_TARGET, "cores": "0", "threads": "1", "step_rows": "8", "dtype": "float32"},
+            "target": {"engine": TINY_TARGET, "cores": "0", "threads": "1", "dtype": "float32"},
             "drafter_primary": {"engine": TINY_TARGET, "cores": "1", "threads": "1", "dtype": "bfloat16"},
             "drafter_backup": {"cores": "1"},
         }

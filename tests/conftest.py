@@ -66,7 +66,7 @@ def engines(engine_root):
     from ssd.engine.engine import TorchEngine
 
     return {
-        "target": TorchEngine(engine_root / TARGET, dtype="float32", step_rows=8),
+        "target": TorchEngine(engine_root / TARGET, dtype="float32"),
         "strong": TorchEngine(engine_root / TARGET, dtype="bfloat16"),
         "weak": TorchEngine(engine_root / WEAK, dtype="float32"),
     }
@@ -87,7 +87,7 @@ def server(engine_root, tmp_path_factory):
 
     repo = render_repository(tmp_path_factory.mktemp("repo") / "models", {
         "ssd": {"tokenizer": TARGET, "num_draft_tokens": "3", "fanout_budget": "6"},
-        "target": {"engine": TARGET, "cores": "0", "threads": "1", "step_rows": "8", "dtype": "float32"},
+        "target": {"engine": TARGET, "cores": "0", "threads": "1", "dtype": "float32"},
         "drafter_primary": {"engine": TARGET, "cores": "1", "threads": "1", "dtype": "bfloat16"},
         "drafter_backup": {"cores": "1"},
     })

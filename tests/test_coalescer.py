@@ -43,9 +43,9 @@ def test_staggered_sequences_are_sent_together():
 
     sent, a, b = asyncio.run(main())
     assert a == ["ok a0", "ok a1", "ok a2"] and b == ["ok b0", "ok b1", "ok b2"]  # each gets its own result
-    # round 0: no latency measured yet, so no window (b came 20 ms late): two messages;
-    # from then on round i of both sequences travels as one message
-    assert sent == [["a0"], ["b0"], ["a1", "b1"], ["a2", "b2"]]
+    # a0 leaves alone (no latency measured yet: no window); b0 comes while a0 is in flight, so it
+    # waits and leaves with a's next call; from then on the two travel together
+    assert sent == [["a0"], ["b0", "a1"], ["a2", "b1"], ["b2"]]
 
 
 def test_a_lone_or_late_peer_does_not_block():

@@ -99,29 +99,12 @@ def test_tree_rows_equal_linear_rows_and_commit(engines, codec):
     e.release("tree"), e.release("fresh2")
 
 
-def test_padded_steps_match_unpadded(engine_root, codec):
-    """step_rows pads short forwards to a fixed row count; padding must not change any logit."""
-    from ssd.engine.engine import ExtendCall, TorchEngine
-
-    ids = _ids(codec, 5)
-    plain = TorchEngine(engine_root / TARGET, dtype="float32", step_rows=0)
-    padded = TorchEngine(engine_root / TARGET, dtype="float32", step_rows=8)
-    sa, sb = list(ids), list(ids)
-    for _ in range(6):
-        la = plain.extend([ExtendCall("p", sa, 1)])[0][0]
-        lb = padded.extend([ExtendCall("p", sb, 1)])[0][0]
-        assert torch.allclose(la, lb, atol=1e-4)
-        sa.append(int(la.argmax()))
-        sb.append(int(lb.argmax()))
-    assert sa == sb
-
-
 def test_rows_are_batch_invariant_in_bf16(engine_root, codec):
     """A sequence's logits are bit-identical whether it runs alone or among many other sequences
     (more than 32 rows in the forward, a long prefill among them): the exact mode's GEMM tiles."""
     from ssd.engine.engine import ExtendCall, TorchEngine
 
-    e = TorchEngine(engine_root / TARGET, dtype="bfloat16", step_rows=8)
+    e = TorchEngine(engine_root / TARGET, dtype="bfloat16")
     ids = _ids(codec, 0)
     steps = [ids + [100 + i for i in range(j)] for j in range(1, 5)]  # decode, and 2..4-row verifies
 

@@ -39,8 +39,8 @@ def model_params(model: str) -> dict[str, str]:
 
 
 def load_engine(folder: Path, p: dict[str, str]) -> TorchEngine:
-    return TorchEngine(folder, dtype=p.get("dtype") or None, threads=1, step_rows=int(p.get("step_rows") or 0),
-                       exact=p.get("exact_attention", "true") == "true", head_vocab=int(p.get("head_vocab") or 0))
+    return TorchEngine(folder, dtype=p.get("dtype") or None, threads=1,
+                       exact=p.get("batch_invariant", "true") == "true", head_vocab=int(p.get("head_vocab") or 0))
 
 
 class PinnedClient(LocalClient):

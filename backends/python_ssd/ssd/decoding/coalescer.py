@@ -1,14 +1,17 @@
 """Makes concurrent sequences reach the engines together, so they share forwards.
 
-Triton's dynamic batcher batches what is queued when an engine becomes free. Two sequences whose
-steps happen to alternate never meet: while A's step runs, B's call waits and then runs alone while
-A's next call waits (a convoy: 2 users got no more tokens/s than 1). A barrier per operation breaks
-it: a call waits until every decoding sequence has submitted one of the same kind, or a short
-window passes, and then all of them leave as one message (``call_many``): one BLS request, so the
-engine gets the whole round in one execute. (Sent as N requests in the same tick, they still
-reached the engine in groups: Triton's queue hands the model what has arrived, not what was sent.) Once aligned, sequences stay aligned round after round;
-the window only costs a sequence whose peers are still busy (a prefill, a backup after a miss), and
-it is a small fraction of a step (``window_frac`` of the op's last latency, at most ``max_window``).
+Two sequences whose steps happen to alternate never meet on their own: while A's step runs, B's
+call waits and then runs alone while A's next call waits (a convoy: 2 users got no more tokens/s
+than 1). So each operation has a scheduler of one message in flight, as in continuous batching:
+- a call that arrives while a message of its op is in flight waits for it to return (the engine
+  is busy with it anyway), then leaves with the sequences of that message, which resubmit within
+  a millisecond or two;
+- with nothing in flight, calls leave as soon as every decoding sequence has one, or after a short
+  window (``window_frac`` of the op's last latency, at most ``max_window``) for peers that are
+  elsewhere (a prefill, a backup after a miss);
+- a message is one ``call_many``: one BLS request, so the engine gets the whole round in one
+  execute (sent as N requests in the same tick, they reached the engine in groups that took
+  turns: Triton's queue hands the model what has arrived, not what was sent).
 """
 from __future__ import annotations
 
@@ -26,17 +29,24 @@ class _Barrier:
         self.pending: list[tuple[object, asyncio.Future]] = []
         self.timer: asyncio.TimerHandle | None = None
         self.latency = 0.0  # EMA of this op's round trip, seconds
-        self.in_flight: set[asyncio.Task] = set()  # the loop holds tasks weakly: keep them alive
+        self.in_flight: set[asyncio.Task] = set()  # at most one message; the loop holds tasks weakly
 
     async def __call__(self, call):
         fut = asyncio.get_running_loop().create_future()
         self.pending.append((call, fut))
+        if not self.in_flight:
+            self._schedule()
+        return await fut
+
+    def _schedule(self) -> None:
+        """Nothing in flight: send now if every sequence is here, else after the window."""
+        if not self.pending:
+            return
         if len(self.pending) >= self.expected():
             self._flush()
         elif self.timer is None:
             window = min(self.max_window, self.window_frac * self.latency)
             self.timer = asyncio.get_running_loop().call_later(window, self._flush)
-        return await fut
 
     def _flush(self) -> None:
         if self.timer is not None:
@@ -46,7 +56,6 @@ class _Barrier:
         if batch:
             task = asyncio.ensure_future(self._run(batch))
             self.in_flight.add(task)
-            task.add_done_callback(self.in_flight.discard)
 
     async def _run(self, batch: list[tuple[object, asyncio.Future]]) -> None:
         t0 = time.perf_counter()
@@ -64,6 +73,8 @@ class _Barrier:
                 fut.set_exception(r)
             else:
                 fut.set_result(r)
+        self.in_flight.discard(asyncio.current_task())
+        self._schedule()  # the callers held meanwhile; this message's sequences join within the window
 
 
 class CoalescingClient:

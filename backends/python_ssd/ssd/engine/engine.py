@@ -74,10 +74,10 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 class TorchEngine:
     def __init__(self, folder: str | os.PathLike, dtype: str | None = None, threads: int | None = None,
-                 step_rows: int = 0, exact: bool = True, max_sequences: int = 64, max_len: int | None = None,
+                 exact: bool = True, max_sequences: int = 64, max_len: int | None = None,
                  head_vocab: int = 0):
-        """``step_rows`` > 0 pads every short forward to that many rows, so an AR step and a verify
-        have the same shapes (bit-identical greedy output across modes in bf16 too)."""
+        """``exact``: extend forwards are batch-invariant (model.invariant_tiles): a row's logits
+        are bit-identical in any mode and any batch, in bf16 too."""
         if threads:
             torch.set_num_threads(int(threads))
         folder = Path(folder)
@@ -95,7 +95,6 @@ class TorchEngine:
         _release_freed_memory()
         eos = hf.get("eos_token_id", [])
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | set(meta.get("eos_token_ids", []))
-        self.step_rows = step_rows
         self.exact = exact
         self.max_sequences = max_sequences
         self.max_len = max_len or self.config.max_position
@@ -156,26 +155,15 @@ class TorchEngine:
             n_logits = max(1, min(c.n_logits, len(c.tokens)))
             start = min(common_prefix(s.tokens, c.tokens), len(c.tokens) - n_logits)
             new = c.tokens[start:]
-            n_real = len(new)
-            # Only a lone sequence is padded: that makes batch-1 AR, SD and SSD bit-identical; once
-            # several sequences share a forward its shape varies anyway, and padding every row to
-            # step_rows would make AR at batch 16 pay for 128 rows instead of 16.
-            pad = self.step_rows - n_real if (len(calls) == 1 and 0 < n_real <= self.step_rows) else 0
-            # Padding rows repeat the last token at later positions; their K/V land in slots past
-            # the committed length and are never seen by real rows (causality), then forgotten.
-            toks = torch.tensor(new + [new[-1]] * pad, dtype=torch.long)
-            pos = torch.arange(start, start + n_real + pad, dtype=torch.long)
-            logits_from = 0 if pad else n_real - n_logits
-            batch.append(RowBatch(toks, pos, s.kv, start, None, logits_from))
-            wants.append((s, c.tokens, n_real, n_logits, logits_from))
+            batch.append(RowBatch(torch.tensor(new, dtype=torch.long),
+                                  torch.arange(start, len(c.tokens), dtype=torch.long), s.kv, start, None,
+                                  len(new) - n_logits))
+            wants.append((s, c.tokens))
         out = self._timed_forward(batch, self.exact)
-        result = []
-        for logits, (s, tokens, n_real, n_logits, logits_from) in zip(out, wants):
+        for s, tokens in wants:
             s.tokens = list(tokens)
             s.scratch_end = len(tokens)
-            first = n_real - n_logits - logits_from
-            result.append(logits[first:first + n_logits])
-        return result
+        return out
 
     # -- tree rows (speculation branches) ------------------------------------------------------------
     def tree(self, calls: list[TreeCall]) -> list[tuple[torch.Tensor, list[int]]]:

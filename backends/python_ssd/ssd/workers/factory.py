@@ -26,8 +26,7 @@ def build_worker(role: str, params: dict[str, str], engine_dir: str | None):
     from ..engine.engine import TorchEngine
     engine = TorchEngine(engine_dir, dtype=params.get("dtype") or None,
                          threads=int(params.get("threads") or 0) or None,
-                         step_rows=int(params.get("step_rows") or 0),
-                         exact=params.get("exact_attention", "true").lower() == "true",
+                         exact=params.get("batch_invariant", "true").lower() == "true",
                          max_sequences=int(params.get("max_sequences") or 64),
                          head_vocab=int(params.get("head_vocab") or 0))
     if role == "target":
