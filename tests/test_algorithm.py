@@ -155,6 +155,22 @@ def test_policy_explores_choices_it_has_not_measured():
     assert all(d.choice == "ssd+neural" for d in seen if d.reason == "policy")
 
 
+def test_policy_intervals_count_rounds_not_sequences():
+    """At 16 sequences every round makes 16 decisions: probes and dwell must not come 16x as often."""
+    pol = _policy()
+    pol.explore_new, pol.explore_every, pol.min_dwell = 8, 256, 16
+    seen = []
+    for _ in range(300 * 16):  # 300 rounds of 16 sequences
+        d = pol.choose(16, 4, 8)
+        seen.append(d)
+        pol.observe_round(d.choice, 3, 3 / pol.model_rates(16, 4, 8)[d.choice], 16, 4, 8)
+    explored = [d for d in seen if d.reason == "explore"]
+    assert explored  # unmeasured choices still get tried ...
+    assert len(explored) < 0.1 * len(seen)  # ... about as rarely (per round) as at batch 1
+    switches = sum(a.choice != b.choice for a, b in zip(seen, seen[1:]) if a.reason == b.reason == "policy")
+    assert switches <= 300 // pol.min_dwell
+
+
 def test_policy_warms_up_and_respects_pins():
     pol = ModePolicy()
     d = pol.choose(8, 4, 8)

@@ -141,3 +141,18 @@ def test_invariant_tiles_cover_every_row_once():
     assert (10, 50) in tiles and (94, 127) in tiles  # a sequence of more than 32 rows runs alone
     assert all(b - a <= 32 for a, b in tiles if (a, b) not in ((10, 50), (94, 127)))
     assert invariant_tiles([1]) == [(0, 1)] and invariant_tiles([]) == []
+
+
+def test_exact_engine_reports_decode_forwards_not_prefills(engines):
+    """The cost curve learns decode-row prices: an exact forward with a long prefill is not reported."""
+    from ssd.engine.engine import ExtendCall
+
+    e = engines["target"]  # exact (batch-invariant)
+    e.take_timing()
+    prompt = [(7 * i) % 3000 + 20 for i in range(40)]
+    e.extend([ExtendCall("t", prompt, 1)])
+    assert e.take_timing() == []
+    e.extend([ExtendCall("t", prompt + [5, 6, 7], 3)])
+    (rows, seconds), = e.take_timing()
+    assert rows == 3 and seconds > 0
+    e.release("t")

@@ -1,7 +1,8 @@
 """How long one forward of an engine takes for a given number of rows, learned from the engines.
 
-Every engine reports (rows, seconds) for each forward it runs; prefills give the large-row points,
-decode steps and verifies the small ones. On CPU (and GPU) a forward is flat while it is bound by
+Every engine reports (rows, seconds) for each forward it runs: decode steps, verifies, tree steps,
+and the drafter's prefills (the batch-invariant target leaves out forwards with a prefill, whose
+rows run as one large GEMM and cost far less per row than decode rows in its tiles). On CPU (and GPU) a forward is flat while it is bound by
 reading the weights and grows ~linearly once it is bound by compute, so a piecewise-linear curve
 through per-bucket running means (buckets are powers of two) is enough to compare modes that put
 different numbers of rows through the same engines.

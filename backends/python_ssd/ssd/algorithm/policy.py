@@ -81,6 +81,7 @@ class ModePolicy:
     current: str = "ssd+neural"
     explore_new: int = 8  # rounds between tries of a choice with < 3 calibration samples
     explore_every: int = 256  # ... and of one measured before
+    # (intervals and min_dwell are in rounds: ``decisions`` counts one per sequence per round)
     explore_margin: float = 1.5
     decisions: int = 0
     switched_at: int = 0
@@ -146,7 +147,8 @@ class ModePolicy:
         if self.probe in allowed and self.decisions < self.probe_until:
             return self._ran(_decision(self.probe, "explore", rates), bk)
         top = max(rates[c] for c in allowed)
-        stale = [c for c in allowed if self.decisions - self.last_run.get((c, bk), 0) >=
+        per_round = max(batch, 1)  # every decoding sequence asks once per round
+        stale = [c for c in allowed if self.decisions - self.last_run.get((c, bk), 0) >= per_round *
                  (self.explore_new if self._calib(c, bk).count < 3 else self.explore_every)
                  and rates[c] * self.explore_margin >= top]
         if stale:
@@ -155,7 +157,7 @@ class ModePolicy:
             return self._ran(_decision(self.probe, "explore", rates), bk)
         best = max(allowed, key=lambda c: rates[c])
         cur = self.current if self.current in allowed else best
-        settled = self.decisions - self.switched_at >= self.min_dwell
+        settled = self.decisions - self.switched_at >= self.min_dwell * per_round
         if cur != best and (cur not in allowed or settled and rates[best] > rates[cur] * (1 + self.hysteresis)):
             cur, self.switched_at = best, self.decisions
         self.current = cur
