@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "python_ssd"))
 
 
 def make_tiny_engine(folder: str | Path, seed: int, vocab: int = 16, hidden: int = 32, layers: int = 2,

@@ -2,10 +2,10 @@
 
 Every engine reports (rows, seconds) for each forward it runs: decode steps, verifies, tree steps,
 and the drafter's prefills (the batch-invariant target leaves out forwards with a prefill, whose
-rows run as one large GEMM and cost far less per row than decode rows in its tiles). On CPU (and GPU) a forward is flat while it is bound by
-reading the weights and grows ~linearly once it is bound by compute, so a piecewise-linear curve
-through per-bucket running means (buckets are powers of two) is enough to compare modes that put
-different numbers of rows through the same engines.
+rows run as one large GEMM and cost far less per row than decode rows in its tiles). On CPU (and
+GPU) a forward is flat while it is bound by reading the weights and grows ~linearly once it is
+bound by compute, so a piecewise-linear curve through per-bucket running means (buckets are powers
+of two) is enough to compare modes that put different numbers of rows through the same engines.
 """
 from __future__ import annotations
 

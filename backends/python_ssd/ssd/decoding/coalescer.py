@@ -29,12 +29,12 @@ class _Barrier:
         self.pending: list[tuple[object, asyncio.Future]] = []
         self.timer: asyncio.TimerHandle | None = None
         self.latency = 0.0  # EMA of this op's round trip, seconds
-        self.in_flight: set[asyncio.Task] = set()  # at most one message; the loop holds tasks weakly
+        self.in_flight: asyncio.Task | None = None  # the message being served (held: the loop keeps tasks weakly)
 
     async def __call__(self, call):
         fut = asyncio.get_running_loop().create_future()
         self.pending.append((call, fut))
-        if not self.in_flight:
+        if self.in_flight is None:
             self._schedule()
         return await fut
 
@@ -54,8 +54,7 @@ class _Barrier:
             self.timer = None
         batch, self.pending = self.pending, []
         if batch:
-            task = asyncio.ensure_future(self._run(batch))
-            self.in_flight.add(task)
+            self.in_flight = asyncio.ensure_future(self._run(batch))
 
     async def _run(self, batch: list[tuple[object, asyncio.Future]]) -> None:
         t0 = time.perf_counter()
@@ -73,7 +72,7 @@ class _Barrier:
                 fut.set_exception(r)
             else:
                 fut.set_result(r)
-        self.in_flight.discard(asyncio.current_task())
+        self.in_flight = None
         self._schedule()  # the callers held meanwhile; this message's sequences join within the window
 
 

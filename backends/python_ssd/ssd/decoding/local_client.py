@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from ..workers.protocol import DraftCall, DraftResult, FetchCall, SpeculateCall, SpeculateResult, VerifyCall, VerifyResult
+from ..workers.protocol import (ROUTE, DraftCall, DraftResult, FetchCall, SpeculateCall, SpeculateResult, VerifyCall,
+                                VerifyResult, worker_method)
 
 
 class LocalClient:
@@ -26,12 +27,10 @@ class LocalClient:
         return await asyncio.to_thread(run)
 
     async def call_many(self, op: str, calls: list) -> list:
-        """One batched worker call for many sequences (what the coalescer sends per round)."""
-        worker = {"verify": self.target, "fast_draft": self.fast}.get(op, self.drafter)
-        try:
-            return await self._run(worker, "draft" if op == "fast_draft" else op, calls)
-        except Exception as e:  # noqa: BLE001 - as an engine process reports it: every call of the batch failed
-            return [e] * len(calls)
+        """One batched worker call for many sequences (what the coalescer sends per round); a
+        worker error fails the whole message, as a failed engine request does."""
+        worker = {"target": self.target, "drafter": self.drafter, "backup": self.fast}[ROUTE[op]]
+        return await self._run(worker, worker_method(op), calls)
 
     async def verify(self, call: VerifyCall) -> VerifyResult:
         return await self._call(self.target, "verify", call)

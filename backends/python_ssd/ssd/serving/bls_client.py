@@ -10,10 +10,8 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from ..workers.protocol import (CallError, DraftCall, DraftResult, FetchCall, ReleaseCall, SpeculateCall,
+from ..workers.protocol import (ROUTE, CallError, DraftCall, DraftResult, FetchCall, ReleaseCall, SpeculateCall,
                                 SpeculateResult, VerifyCall, VerifyResult, decode_results, encode_calls)
-
-ROUTE = {"verify": "target", "draft": "drafter", "speculate": "drafter", "fetch": "drafter", "fast_draft": "backup"}
 
 
 class BLSClient:

@@ -13,7 +13,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from ..workers.factory import build_worker
-from ..workers.protocol import CallError, decode_calls, encode_results
+from ..workers.protocol import CallError, decode_calls, encode_results, worker_method
 from .roles import resolve_engine_dir
 
 
@@ -46,7 +46,7 @@ class EngineModel:
                     groups.setdefault(op, []).append((out, j, call))
         for op, items in groups.items():
             try:
-                method = getattr(self.worker, "draft" if op == "fast_draft" else op)
+                method = getattr(self.worker, worker_method(op))
                 for (out, j, _), r in zip(items, method([c for _, _, c in items])):
                     out[j] = r
             except Exception as e:  # noqa: BLE001

@@ -84,6 +84,13 @@ class ReleaseCall:
 # "fast_draft" is a DraftCall sent to the fast backup's process
 CALLS = {"verify": VerifyCall, "draft": DraftCall, "fast_draft": DraftCall, "speculate": SpeculateCall,
          "fetch": FetchCall, "release": ReleaseCall}
+# which engine process serves an op ("release" goes to all three)
+ROUTE = {"verify": "target", "draft": "drafter", "speculate": "drafter", "fetch": "drafter", "fast_draft": "backup"}
+
+
+def worker_method(op: str) -> str:
+    """The worker method that serves ``op`` (the fast backup's worker calls its method ``draft``)."""
+    return "draft" if op == "fast_draft" else op
 
 
 class CallError(RuntimeError):
