@@ -75,9 +75,10 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class TorchEngine:
     def __init__(self, folder: str | os.PathLike, dtype: str | None = None, threads: int | None = None,
                  exact: bool = True, max_sequences: int = 64, max_len: int | None = None,
-                 head_vocab: int = 0):
+                 head_vocab: int = 0, device: str = "cpu"):
         """``exact``: extend forwards are batch-invariant (model.invariant_tiles): a row's logits
-        are bit-identical in any mode and any batch, in bf16 too."""
+        are bit-identical in any mode and any batch, in bf16 too. ``device``: "cpu" or a CUDA
+        device; logits always come back on the CPU, where sampling and verification run."""
         if threads:
             torch.set_num_threads(int(threads))
         folder = Path(folder)
@@ -90,7 +91,8 @@ class TorchEngine:
         dtype = dtype or meta.get("dtype", "bfloat16")
         self.dtype = DTYPES[dtype]
         weights = load_file(str(folder / "model.safetensors"))
-        self.model = Transformer(self.config, weights, self.dtype, head_vocab=head_vocab)
+        self.device = torch.device(device)
+        self.model = Transformer(self.config, weights, self.dtype, head_vocab=head_vocab, device=self.device)
         del weights
         _release_freed_memory()
         eos = hf.get("eos_token_id", [])
@@ -109,6 +111,8 @@ class TorchEngine:
     def _timed_forward(self, batch: list, exact: bool) -> list[torch.Tensor]:
         t0 = time.perf_counter()
         out = self.model.forward(batch, exact=exact)
+        if self.device.type != "cpu":  # one copy per forward; it also waits for the GPU, so the timing is real
+            out = list(torch.cat(out).cpu().split([o.shape[0] for o in out]))
         sizes = [len(b.tokens) for b in batch]
         # An exact forward with a prefill runs that prefill as one large GEMM, far cheaper per row
         # than the same number of decode rows in invariant tiles: it would teach the cost curve

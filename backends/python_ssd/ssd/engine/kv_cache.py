@@ -10,8 +10,10 @@ import torch
 
 
 class SequenceKV:
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, capacity: int = 256):
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, capacity: int = 256,
+                 device: torch.device | str = "cpu"):
         self.layers, self.kv_heads, self.head_dim, self.dtype = layers, kv_heads, head_dim, dtype
+        self.device = torch.device(device)
         self.capacity = 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -22,8 +24,8 @@ class SequenceKV:
             return
         new_cap = max(slots, 2 * self.capacity, 64)
         shape = (self.kv_heads, new_cap, self.head_dim)
-        k = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.layers)]
-        v = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.layers)]
+        k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
         for i in range(len(self.k)):  # amortised doubling: copies are rare
             k[i][:, : self.capacity] = self.k[i]
             v[i][:, : self.capacity] = self.v[i]
@@ -44,7 +46,7 @@ class SequenceKV:
         """Copies slots ``src`` (in order) to ``dst_start, dst_start+1, ...`` in every layer."""
         if not src:
             return
-        idx = torch.tensor(src, dtype=torch.long)
+        idx = torch.tensor(src, dtype=torch.long, device=self.device)
         n = len(src)
         for layer in range(self.layers):
             self.k[layer][:, dst_start:dst_start + n] = self.k[layer].index_select(1, idx)

@@ -137,13 +137,14 @@ class Linear:
 
 class Transformer:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 pack: bool = True, head_vocab: int = 0):
+                 pack: bool = True, head_vocab: int = 0, device: torch.device | str = "cpu"):
         """``head_vocab`` > 0 keeps only the first ``head_vocab`` rows of the output projection (a
         drafter option: BPE ids are ordered by merge rank, so the low ids are the frequent tokens;
         the rest get logit -inf, i.e. q = 0, which verification handles exactly)."""
         self.config = config
         self.dtype = dtype
-        w = {k: v.to(dtype).contiguous() for k, v in weights.items()}
+        self.device = torch.device(device)
+        w = {k: v.to(self.device, dtype).contiguous() for k, v in weights.items()}
         # Tensors we keep are cloned: safetensors maps the file, and one surviving view would keep
         # the whole mapping (every page we touched while packing) resident next to the packed copy.
         self.embed = w["model.embed_tokens.weight"].clone()
@@ -171,12 +172,12 @@ class Transformer:
                     del w[key]
         c = config
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
-        self._inv_freq = inv
+        self._inv_freq = inv.to(self.device)
         self.scale = 1.0 / math.sqrt(c.head_dim)
 
     def new_kv(self, capacity: int = 256) -> SequenceKV:
         c = self.config
-        return SequenceKV(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, capacity)
+        return SequenceKV(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, capacity, self.device)
 
     # -- pieces ---------------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -213,13 +214,14 @@ class Transformer:
         if rb.visible is None and exact:
             # One row at a time over exactly the keys it sees: the same shapes whichever forward the
             # row is part of, so a verify row equals the AR step for that position bit for bit.
-            out = torch.empty(hkv, group, n, d)
+            out = torch.empty(hkv, group, n, d, device=q.device)
             for i in range(n):
                 end = rb.start + i + 1
                 s = torch.matmul(qg[:, :, i], k[:, :end].transpose(1, 2)) * self.scale
                 out[:, :, i] = torch.matmul(torch.softmax(s, dim=-1), v[:, :end])
         else:
-            mask = rb.visible if rb.visible is not None else torch.ones(n, end_all, dtype=torch.bool).tril(rb.start)
+            mask = (rb.visible if rb.visible is not None
+                    else torch.ones(n, end_all, dtype=torch.bool, device=q.device).tril(rb.start))
             s = torch.matmul(qg.reshape(hkv, group * n, d), k.transpose(1, 2)) * self.scale
             s = s.view(hkv, group, n, end_all).masked_fill(~mask, float("-inf"))
             out = torch.matmul(torch.softmax(s, dim=-1).view(hkv, group * n, end_all), v).view(hkv, group, n, d)
@@ -236,8 +238,10 @@ class Transformer:
         tiles = invariant_tiles(sizes) if exact else None
         for rb, n in zip(batch, sizes):
             rb.kv.reserve(rb.start + n)
-        tokens = torch.cat([rb.tokens for rb in batch])
-        positions = torch.cat([rb.positions for rb in batch])
+            if rb.visible is not None:
+                rb.visible = rb.visible.to(self.device)
+        tokens = torch.cat([rb.tokens for rb in batch]).to(self.device)
+        positions = torch.cat([rb.positions for rb in batch]).to(self.device)
         cos, sin = self._rope(positions)
         x = F.embedding(tokens, self.embed)
         hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
@@ -263,7 +267,7 @@ class Transformer:
         for rb, n in zip(batch, sizes):
             keep.append(torch.arange(off + rb.logits_from, off + n))
             off += n
-        rows = torch.cat(keep)
+        rows = torch.cat(keep).to(self.device)
         n_logits = [n - rb.logits_from for rb, n in zip(batch, sizes)]
         logits = self.lm_head(self._rms(x[rows], self.norm), invariant_tiles(n_logits) if exact else None).float()
         if self.head_vocab < c.vocab_size:

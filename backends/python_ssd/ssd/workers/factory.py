@@ -28,7 +28,8 @@ def build_worker(role: str, params: dict[str, str], engine_dir: str | None):
                          threads=int(params.get("threads") or 0) or None,
                          exact=params.get("batch_invariant", "true").lower() == "true",
                          max_sequences=int(params.get("max_sequences") or 64),
-                         head_vocab=int(params.get("head_vocab") or 0))
+                         head_vocab=int(params.get("head_vocab") or 0),
+                         device=params.get("device") or "cpu")
     if role == "target":
         from .target import TargetWorker
         return TargetWorker(engine)
