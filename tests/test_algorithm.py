@@ -47,6 +47,15 @@ def test_ngram_finds_the_latest_repeat():
     assert propose([1, 2, 3], 2) == [3, 3]  # no repeat: last token, the cheapest guess
 
 
+def _alpha(tokens_at_k4: float) -> float:
+    """The per-position acceptance whose rounds of K = 4 yield ``tokens_at_k4`` tokens."""
+    lo, hi = 0.0, 0.999
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid ** i for i in range(5)) < tokens_at_k4 else (lo, mid)
+    return lo
+
+
 def _policy(e_draft: float = 3.6, e_hit: float = 3.9, p_hit: float = 0.8, drafter_scale: float = 1.0):
     """A policy that has measured a bandwidth-bound-then-compute-bound target and drafter."""
     pol = ModePolicy()
@@ -54,8 +63,8 @@ def _policy(e_draft: float = 3.6, e_hit: float = 3.9, p_hit: float = 0.8, drafte
         pol.target.observe(rows, s)
     for rows, s in ((1, 0.08), (8, 0.08), (32, 0.10), (128, 0.40), (512, 1.6)):
         pol.drafter.observe(rows, s * drafter_scale)
-    pol.p_hit.value, pol.e_hit.value = p_hit, e_hit
-    pol.e_miss["neural"].value, pol.e_miss["fast"].value, pol.t_fast.value = e_draft, 1.5, 0.003
+    pol.p_hit.value, pol.e_hit.alpha = p_hit, _alpha(e_hit)
+    pol.e_miss["neural"].alpha, pol.e_miss["fast"].alpha, pol.t_fast.value = _alpha(e_draft), _alpha(1.5), 0.003
     pol.e_hit.count = 1
     pol.explore_new = pol.explore_every = 10**9  # these tests check the prediction, not exploration
     pol.min_dwell = 0
@@ -128,10 +137,10 @@ def test_policy_calibrates_each_choice_and_batch_size_from_measured_rounds():
 def test_policy_dwells_before_switching_again():
     pol = _policy()
     pol.min_dwell = 16
-    pol.current, pol.switched_at, pol.decisions = "ar", 0, 100  # long settled on a poor choice
+    pol.current, pol.switched_at, pol.rounds = "ar", 0, 100  # long settled on a poor choice
     assert pol.choose(1, 4, 8).choice != "ar"  # switches at once
     better = pol.current
-    pol.e_miss["neural"].value = pol.e_hit.value = 1.0  # drafts turn useless: AR is best now
+    pol.e_miss["neural"].alpha = pol.e_hit.alpha = 0.0  # drafts turn useless: AR is best now
     assert pol.choose(1, 4, 8).choice == better  # but the last switch was just now: it stays
     for _ in range(16):
         d = pol.choose(1, 4, 8)
@@ -155,20 +164,45 @@ def test_policy_explores_choices_it_has_not_measured():
     assert all(d.choice == "ssd+neural" for d in seen if d.reason == "policy")
 
 
-def test_policy_intervals_count_rounds_not_sequences():
-    """At 16 sequences every round makes 16 decisions: probes and dwell must not come 16x as often."""
+def test_policy_decides_once_per_round_of_the_batch():
+    """At 16 sequences every round makes 16 decisions: they all get the round's choice (a probe or
+    a switch moves the whole batch), and probes and dwell count rounds, not sequences."""
     pol = _policy()
     pol.explore_new, pol.explore_every, pol.min_dwell = 8, 256, 16
-    seen = []
-    for _ in range(300 * 16):  # 300 rounds of 16 sequences
-        d = pol.choose(16, 4, 8)
-        seen.append(d)
-        pol.observe_round(d.choice, 3, 3 / pol.model_rates(16, 4, 8)[d.choice], 16, 4, 8)
-    explored = [d for d in seen if d.reason == "explore"]
+    rounds = []
+    for _ in range(300):
+        seen = []
+        for i in range(16):
+            d = pol.choose(16, 4, 8, seq=f"s{i}")
+            seen.append(d)
+            pol.observe_round(d.choice, 3, 3 / pol.model_rates(16, 4, 8)[d.choice], 16, 4, 8)
+        assert len({(d.choice, d.reason) for d in seen}) == 1  # one choice per round
+        rounds.append(seen[0])
+    assert pol.rounds == 300
+    explored = [d for d in rounds if d.reason == "explore"]
     assert explored  # unmeasured choices still get tried ...
-    assert len(explored) < 0.1 * len(seen)  # ... about as rarely (per round) as at batch 1
-    switches = sum(a.choice != b.choice for a, b in zip(seen, seen[1:]) if a.reason == b.reason == "policy")
+    assert len(explored) < 0.1 * len(rounds)  # ... about as rarely (per round) as at batch 1
+    switches = sum(a.choice != b.choice for a, b in zip(rounds, rounds[1:]) if a.reason == b.reason == "policy")
     assert switches <= 300 // pol.min_dwell
+
+
+def test_policy_prices_probes():
+    """A choice predicted well below the best is probed rarely: probes spend at most
+    ``explore_budget`` of the rounds, whatever the intervals say."""
+    pol = _policy()
+    pol.explore_new = pol.explore_every = 2  # intervals alone would probe every other round
+    pol.explore_margin = 10.0  # and the margin would let every choice through
+    seen = []
+    for _ in range(2000):
+        d = pol.choose(8, 4, 8)
+        seen.append(d)
+        pol.observe_round(d.choice, 3, 3 / pol.model_rates(8, 4, 8)[d.choice], 8, 4, 8)
+    rates = pol.rates(8, 4, 8)
+    top = max(rates.values())
+    probes = [d.choice for d in seen if d.reason == "explore"]
+    assert set(probes) == set(CHOICES) - {pol.current}  # every other choice was measured
+    lost = sum(1 - rates[c] / top for c in probes)  # rounds of the best choice given up to probes
+    assert lost <= pol.explore_budget * len(seen) * 1.05
 
 
 def test_policy_warms_up_and_respects_pins():
@@ -176,8 +210,8 @@ def test_policy_warms_up_and_respects_pins():
     d = pol.choose(8, 4, 8)
     assert (d.choice, d.reason) == ("ssd+neural", "warmup")  # nothing measured yet
     fresh, measured = _policy(), _policy()
-    fresh.e_hit.count, fresh.e_hit.value = 0, 0.1  # SSD never ran: E_hit is taken as E_sd
-    measured.e_hit.value = measured.e_miss["neural"].value
+    fresh.e_hit.count, fresh.e_hit.alpha = 0, 0.1  # SSD never ran: E_hit is taken as E_sd
+    measured.e_hit.alpha = measured.e_miss["neural"].alpha
     assert fresh.model_rates(1, 4, 8) == measured.model_rates(1, 4, 8)
     assert pol.choose(8, 4, 8, ("sd",)).choice == "sd"  # a request pinned to sd
     assert ModePolicy(forced_mode="ar").choose(1, 4, 8).choice == "ar"
@@ -224,3 +258,35 @@ def test_stop_checker_streams_the_final_text_exactly():
     assert c.push([1, 2, 5, 5]) and c.tokens == [1, 2, 5] and c.finish_reason == "length"
     c = StopChecker(dec, max_tokens=10, eos_ids={9})
     assert c.push([1, 9, 2]) and c.tokens == [1] and c.finish_reason == "stop"
+
+
+def test_round_k_keeps_verify_rows_within_max_verify_rows():
+    from ssd.decoding.generator import SharedState
+
+    s = SharedState(max_verify_rows=32)
+    for active, k in ((1, 4), (6, 4), (7, 3), (8, 3), (10, 2), (16, 1), (40, 1)):
+        s.active = active
+        assert s.round_k(4) == k
+        assert active * (k + 1) <= 32 or k == 1
+    s.max_verify_rows, s.active = 0, 16  # no limit
+    assert s.round_k(4) == 4
+
+
+def test_acceptance_predicts_tokens_per_round_at_any_k():
+    """Learned from rounds of K = 4, the acceptance predicts rounds of K = 1 too (a round capped to
+    K = 1 yields at most 2 tokens, not the 3.4 of K = 4)."""
+    from ssd.algorithm.policy import Acceptance
+
+    g = torch.Generator().manual_seed(0)
+    acc, alpha, seen = Acceptance(0.3), 0.8, []
+    for i in range(3000):
+        accepted = 0
+        while accepted < 4 and torch.rand(1, generator=g).item() < alpha:
+            accepted += 1
+        acc.update(accepted, 4)
+        if i >= 500:  # past the prior: a running estimate (~40 rounds), so average its readings
+            seen.append((acc.alpha, acc.tokens(4), acc.tokens(1)))
+    mean = [sum(x) / len(seen) for x in zip(*seen)]
+    assert abs(mean[0] - alpha) < 0.03
+    assert abs(mean[1] - sum(alpha ** i for i in range(5))) < 0.15
+    assert abs(mean[2] - 1.8) < 0.03

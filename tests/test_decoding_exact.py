@@ -71,6 +71,37 @@ def test_greedy_equals_target(engines, codec, ar_outputs, drafter, cfg):
     assert rounds_with_drafts > 0
 
 
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_capped_round_k_is_exact(engines, codec, ar_outputs, mode):
+    """With max_verify_rows = 3 a lone sequence drafts at most 2 tokens a round (K = 4 asked):
+    shorter rounds, same tokens."""
+    from ssd.decoding.generator import DecodeConfig, SharedState
+
+    client = _client(engines, "strong")
+    for prompt, ref in zip(PROMPTS, ar_outputs):
+        shared = SharedState(max_verify_rows=3)
+        out, g = asyncio.run(_generate(client, codec.encode_prompt(prompt),
+                                       DecodeConfig(mode=mode, k=4, step_aside=False), shared=shared))
+        assert out == ref
+        assert max(g.stats.tokens_per_round) == 3 and g.k == 2
+
+
+def test_rounds_overlapping_a_prefill_do_not_calibrate_the_policy(engines, codec):
+    """Another request's prefill in flight stalls every round it overlaps, whatever the choice:
+    those rounds are kept out of the calibration; clean rounds are not."""
+    from ssd.decoding.generator import DecodeConfig, SharedState
+
+    client = _client(engines, "strong")
+    prompt = codec.encode_prompt(PROMPTS[0])
+    counts = {}
+    for busy in (0, 1):
+        shared = SharedState()
+        shared.prefilling = busy  # as if another request's prefill were running all along
+        asyncio.run(_generate(client, prompt, DecodeConfig(mode="ssd", k=3), n=12, shared=shared))
+        counts[busy] = sum(e.count for (c, b), e in shared.policy.calib.items() if b is None)
+    assert counts[1] == 0 and counts[0] > 0
+
+
 def test_both_hits_and_misses_happen(engines, codec):
     """The exactness runs above exercise both paths: SSD with each drafter sees hits and misses."""
     from ssd.decoding.generator import DecodeConfig
@@ -92,10 +123,10 @@ def cycling_shared(order):
     from ssd.decoding.generator import SharedState
 
     class CyclingPolicy(ModePolicy):
-        def choose(self, batch, k, budget, allowed):
+        def choose(self, batch, k, budget, allowed, seq=None):
             self.forced_mode = order[self.rounds % len(order)]
             self.rounds += 1
-            return super().choose(batch, k, budget, allowed)
+            return super().choose(batch, k, budget, allowed, seq)
 
     pol = CyclingPolicy()
     pol.rounds = 0

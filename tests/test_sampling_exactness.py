@@ -74,10 +74,10 @@ SWITCH_ORDER = ["ssd+neural", "ssd+neural", "sd", "ssd+fast", "ssd+neural", "ar"
 
 
 class CyclingPolicy(ModePolicy):
-    def choose(self, batch, k, budget, allowed):
+    def choose(self, batch, k, budget, allowed, seq=None):
         self.forced_mode = SWITCH_ORDER[self.rounds % len(SWITCH_ORDER)]
         self.rounds += 1
-        return super().choose(batch, k, budget, allowed)
+        return super().choose(batch, k, budget, allowed, seq)
 
 
 # ------------------------------------------------------------------ fixtures and helpers

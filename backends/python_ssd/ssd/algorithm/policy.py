@@ -20,15 +20,18 @@ proposed; until SSD has run, E_hit is taken as E_sd (a cached branch is what SD 
 The formulas count forward time only; what they miss (Python, BLS, sampling, two engines sharing
 memory bandwidth) is learned as a calibration factor per choice and batch-size bucket (1, 2-3,
 4-7, ...): measured tokens/s over predicted, from the rounds that choice ran at that batch size
-(the choice's factor over all sizes until a bucket has 3 rounds). So the formulas extrapolate and
-the measurements decide. Statistics only come from running a choice, so one that has not run at
-this batch size for a while gets a probe (``explore``): every sequence runs it for the next ~2
+(the choice's factor over all sizes until a bucket has 3 rounds; rounds that another request's
+prefill overlapped are left out by the caller). So the formulas extrapolate and the measurements
+decide. Statistics only come from running a choice, so one that has not run at
+this batch size for a while gets a probe (``explore``): every sequence runs it for the next 2
 rounds, so it is measured the way it would run (a lone SSD round among SD rounds would stall the
 drafter for the whole batch); 1 probe per 8 rounds while the choice has fewer than 3 measurements
-there, 1 per 256 after, and never while even ``explore_margin`` times its prediction stays below
-the best one. A new choice must predict ``hysteresis`` more than the current one, and a choice
-stays at least ``min_dwell`` rounds: every switch into SSD costs a round
-without a cached draft, so flapping on noise would cost more than it gains.
+there, 1 per 256 after, never while even ``explore_margin`` times its prediction stays below the
+best one, and no more often than its price allows (a probe of a choice predicted at 70% of the
+best gives up 0.6 rounds; probes may spend 3% of the rounds). A new choice must predict
+``hysteresis`` more than the current one, and a choice stays at least ``min_dwell`` rounds: every
+switch into SSD costs a round without a cached draft, so flapping on noise would cost more than it
+gains. Decisions are made once per round of the whole batch (``choose``), not per sequence.
 """
 from __future__ import annotations
 
@@ -54,6 +57,38 @@ class Ema:
 
 
 @dataclass
+class Acceptance:
+    """How far a draft source's drafts get accepted, as a per-position acceptance rate alpha, so
+    the tokens a round yields can be predicted for any K: E(K) = 1 + alpha + ... + alpha^K. (A
+    mean of tokens per round would carry K = 4's figure over to a round capped at K = 1, where
+    it is nearly twice too high.) Running means of accepted tokens and of positions tried."""
+
+    alpha: float  # the prior
+    count: int = 0
+    ema: float = 0.05
+    _accepted: float = -1.0
+    _tried: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self._accepted < 0:
+            self._accepted = self.alpha
+
+    def update(self, accepted: int, drafted: int) -> None:
+        """A round drafted ``drafted`` tokens and the target accepted the first ``accepted``."""
+        if drafted <= 0:
+            return
+        self.count += 1
+        a = max(self.ema, 1.0 / (self.count + 1))  # the prior weighs as one round
+        self._accepted += a * (accepted - self._accepted)
+        self._tried += a * (accepted + (accepted < drafted) - self._tried)
+        self.alpha = min(self._accepted / self._tried, 0.999)
+
+    def tokens(self, k: int) -> float:
+        """Expected tokens per round with K = ``k`` (the accepted ones plus the target's own)."""
+        return sum(self.alpha ** i for i in range(k + 1))
+
+
+@dataclass
 class Decision:
     mode: str  # ssd | sd | ar
     backup: str  # neural | fast (what drafts after a miss; meaningful for ssd)
@@ -72,8 +107,8 @@ class ModePolicy:
     hysteresis: float = 0.1
     min_dwell: int = 16
     p_hit: Ema = field(default_factory=lambda: Ema(0.6))
-    e_hit: Ema = field(default_factory=lambda: Ema(2.5))
-    e_miss: dict = field(default_factory=lambda: {"neural": Ema(2.5), "fast": Ema(1.3)})
+    e_hit: Acceptance = field(default_factory=lambda: Acceptance(0.7))  # drafts from the speculation cache
+    e_miss: dict = field(default_factory=lambda: {"neural": Acceptance(0.7), "fast": Acceptance(0.25)})
     t_fast: Ema = field(default_factory=lambda: Ema(0.002))  # seconds per n-gram backup call
     target: StepCost = field(default_factory=StepCost)
     drafter: StepCost = field(default_factory=StepCost)
@@ -81,13 +116,16 @@ class ModePolicy:
     current: str = "ssd+neural"
     explore_new: int = 8  # rounds between tries of a choice with < 3 calibration samples
     explore_every: int = 256  # ... and of one measured before
-    # (intervals and min_dwell are in rounds: ``decisions`` counts one per sequence per round)
     explore_margin: float = 1.5
-    decisions: int = 0
-    switched_at: int = 0
-    probe: str = ""  # the choice being explored, and the decision index its probe ends at
+    explore_budget: float = 0.03  # share of the rounds that probes may give up (see _probe_due)
+    probe_rounds: int = 2
+    rounds: int = 0  # rounds of the batch so far (one per round, whatever the batch size)
+    switched_at: int = -10**9  # round of the last switch (none yet: the first one may come at once)
+    probe: str = ""  # the choice being explored, and the round its probe ends at
     probe_until: int = 0
-    last_run: dict = field(default_factory=dict)  # (choice, bucket) -> decision index it last ran at
+    last_run: dict = field(default_factory=dict)  # (choice, bucket) -> round it last ran at
+    _round: Decision | None = None  # this round's decision, shared by every sequence asking in it
+    _asked: set = field(default_factory=set)  # sequences that asked in this round
 
     # -- predictions ------------------------------------------------------------------------------
     def model_rates(self, batch: int, k: int, budget: int) -> dict[str, float]:
@@ -100,11 +138,11 @@ class ModePolicy:
         t_s = T_d(b * (k + 1)) + k * T_d(b * budget)
         missing = max(1.0, (1 - p) * b)
         t_backup = {"neural": k * T_d(missing), "fast": self.t_fast.value}
-        e_sd = self.e_miss["neural"].value
-        e_hit = self.e_hit.value if self.e_hit.count else e_sd
+        e_sd = self.e_miss["neural"].tokens(k)
+        e_hit = self.e_hit.tokens(k) if self.e_hit.count else e_sd
         out = {"ar": 1 / T_t(b), "sd": e_sd / (k * T_d(b) + t_v)}
         for kind in ("neural", "fast"):
-            num = p * e_hit + (1 - p) * self.e_miss[kind].value
+            num = p * e_hit + (1 - p) * self.e_miss[kind].tokens(k)
             out[f"ssd+{kind}"] = num / (max(t_v, t_s) + (1 - p ** b) * t_backup[kind])
         return out
 
@@ -129,8 +167,13 @@ class ModePolicy:
             self._calib(choice, _bucket(batch)).update(ratio)
             self._calib(choice, None).update(ratio)
 
-    def choose(self, batch: int, k: int, budget: int, allowed: tuple[str, ...] = CHOICES) -> Decision:
-        """The choice for the next round, among ``allowed`` (a request may pin its mode)."""
+    def choose(self, batch: int, k: int, budget: int, allowed: tuple[str, ...] = CHOICES,
+               seq: str | None = None) -> Decision:
+        """The choice for the next round of sequence ``seq``, among ``allowed`` (a request may pin
+        its mode). The choice is made once per round of the batch: a round starts when a sequence
+        asks again (or when ``seq`` is None), and every sequence asking within it gets the same
+        answer, so a switch or a probe moves the whole batch at once instead of mixing choices
+        within a round (mixed rounds slow each other and mislead the calibration)."""
         if self.forced_mode and self.forced_mode in allowed:
             return _decision(self.forced_mode, "forced")
         if self.forced_backup:
@@ -140,31 +183,55 @@ class ModePolicy:
             return _decision(allowed[0], "request" if not self.forced_backup else "forced")
         if not (self.target.known and self.drafter.known):
             first = self.current if self.current in allowed else allowed[0]
-            return self._ran(_decision(first, "warmup"))
-        self.decisions += 1
+            return _decision(first, "warmup")
+        if seq is None or seq in self._asked or self._round is None:
+            self._asked.clear()
+            self._round = self._next_round(batch, k, budget, allowed)
+        self._asked.add(seq)
+        d = self._round
+        if d.choice not in allowed:  # a request with other options than the one that opened the round
+            best = max(allowed, key=lambda c: d.rates[c])
+            return _decision(best, "policy", d.rates)
+        return _decision(d.choice, d.reason, d.rates)
+
+    def _next_round(self, batch: int, k: int, budget: int, allowed: tuple[str, ...]) -> Decision:
+        self.rounds += 1
         bk = _bucket(batch)
         rates = self.rates(batch, k, budget)
-        if self.probe in allowed and self.decisions < self.probe_until:
+        if self.probe in allowed and self.rounds < self.probe_until:
             return self._ran(_decision(self.probe, "explore", rates), bk)
         top = max(rates[c] for c in allowed)
-        per_round = max(batch, 1)  # every decoding sequence asks once per round
-        stale = [c for c in allowed if self.decisions - self.last_run.get((c, bk), 0) >= per_round *
-                 (self.explore_new if self._calib(c, bk).count < 3 else self.explore_every)
-                 and rates[c] * self.explore_margin >= top]
+        others = len(allowed) - 1
+        stale = [c for c in allowed if self._probe_due(c, bk, rates[c], top, others)]
         if stale:
             self.probe = min(stale, key=lambda c: self.last_run.get((c, bk), 0))
-            self.probe_until = self.decisions + 2 * max(batch, 2)
+            self.probe_until = self.rounds + self.probe_rounds
             return self._ran(_decision(self.probe, "explore", rates), bk)
         best = max(allowed, key=lambda c: rates[c])
         cur = self.current if self.current in allowed else best
-        settled = self.decisions - self.switched_at >= self.min_dwell * per_round
+        settled = self.rounds - self.switched_at >= self.min_dwell
         if cur != best and (cur not in allowed or settled and rates[best] > rates[cur] * (1 + self.hysteresis)):
-            cur, self.switched_at = best, self.decisions
+            cur, self.switched_at = best, self.rounds
         self.current = cur
         return self._ran(_decision(cur, "policy", rates), bk)
 
-    def _ran(self, d: "Decision", bucket: int = 0) -> "Decision":
-        self.last_run[(d.choice, bucket)] = self.decisions
+    def _probe_due(self, choice: str, bucket: int, rate: float, top: float, others: int) -> bool:
+        """Whether ``choice`` should be measured again at this batch size. Not while even
+        ``explore_margin`` times its prediction stays below the best; otherwise after
+        ``explore_new`` rounds (fewer than 3 measurements) or ``explore_every`` rounds, and no
+        sooner than its price allows: a probe gives up ``probe_rounds * (1 - rate / top)`` rounds
+        of the best choice (cheap when it is nearly as good, dear at a large batch where SD's
+        verify rows cost several AR steps), and the probes of all ``others`` choices together may
+        spend ``explore_budget`` of the rounds."""
+        if rate * self.explore_margin < top or choice == self.current:
+            return False
+        measured = self._calib(choice, bucket).count >= 3
+        since = self.rounds - self.last_run.get((choice, bucket), 0)
+        price = self.probe_rounds * max(0.0, 1.0 - rate / top) * others / self.explore_budget
+        return since >= max(self.explore_every if measured else self.explore_new, price)
+
+    def _ran(self, d: "Decision", bucket: int) -> "Decision":
+        self.last_run[(d.choice, bucket)] = self.rounds
         return d
 
     def b_star(self, k: int, budget: int, max_batch: int = 256) -> int | None:

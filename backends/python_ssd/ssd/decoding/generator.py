@@ -76,6 +76,30 @@ class SharedState:
     estimator: FanoutEstimator = field(default_factory=FanoutEstimator)
     policy: ModePolicy = field(default_factory=ModePolicy)
     active: int = 0  # sequences currently decoding: the batch size the policy plans for
+    # Verify rows the target runs at one tile's cost (0: no limit). The batch-invariant CPU target
+    # runs its GEMMs in tiles of up to 32 rows: 8 sequences x (K=4 + 1) = 40 rows cost two tiles,
+    # ~1.5x of 32 rows for 10% more tokens. So a round's K is lowered until b (K + 1) fits (never
+    # below 1): every round is verified in full whatever its K, so this is exact.
+    max_verify_rows: int = 0
+    # Prefills in flight, and a counter bumped when one starts or ends: a round that a prefill
+    # overlapped waited for it (a long prompt stalls the target for a second or two), whatever the
+    # choice, so it says nothing about the choice and is kept out of the policy's calibration.
+    prefilling: int = 0
+    prefill_epoch: int = 0
+
+    def prefill_mark(self) -> int | None:
+        return None if self.prefilling else self.prefill_epoch
+
+    def round_k(self, k: int) -> int:
+        if self.max_verify_rows <= 0:
+            return k
+        return max(1, min(k, self.max_verify_rows // max(self.active, 1) - 1))
+
+
+def _truncate(d: DraftResult, k: int) -> DraftResult:
+    if len(d.tokens) <= k:
+        return d
+    return DraftResult(d.tokens[:k], d.probs[:k] if d.probs is not None else None, d.timing)
 
 
 async def _timed(coro):
@@ -92,20 +116,27 @@ class Generation:
         self.shared = shared or SharedState()
         self.stats = RequestStats(mode=cfg.mode, draft_len=0 if cfg.mode == "ar" else cfg.k)
         self.round = 0
+        self.k = cfg.k  # this round's draft length (SharedState.round_k)
         self.drafter_ok = True
 
     def _verify(self, prefix, draft, probs=None) -> VerifyCall:
         return VerifyCall(self.seq_id, prefix, draft, self.params, self.seed, self.round, probs)
 
     def _draft_call(self, prefix, fanout, c=1.0) -> DraftCall:
-        return DraftCall(self.seq_id, prefix, self.cfg.k, self.params, self.seed, self.round, c, fanout)
+        return DraftCall(self.seq_id, prefix, self.k, self.params, self.seed, self.round, c, fanout)
 
     async def run(self) -> AsyncIterator[list[int]]:
         """Yields the target's tokens, a block per round. The caller stops iterating when done."""
         self.shared.active += 1
         try:
             t0 = time.perf_counter()
-            first = await self.c.verify(self._verify(self.prompt, []))
+            self.shared.prefilling += 1
+            self.shared.prefill_epoch += 1
+            try:
+                first = await self.c.verify(self._verify(self.prompt, []))
+            finally:
+                self.shared.prefilling -= 1
+                self.shared.prefill_epoch += 1
             self.shared.policy.observe_timing("target", first.timing)
             self.stats.prefill_s = time.perf_counter() - t0
             prefix = self.prompt + [first.token]
@@ -179,7 +210,8 @@ class Generation:
         allowed = self.cfg.allowed()
         if not self.drafter_ok:  # only the target and the n-gram backup are left
             allowed = ("ar",) if self.cfg.mode == "ar" else ("ssd+fast", "ar")
-        d = self.shared.policy.choose(self.shared.active, self.cfg.k, self.cfg.fanout_budget, allowed)
+        d = self.shared.policy.choose(self.shared.active, self.k, self.cfg.fanout_budget, allowed,
+                                      self.seq_id)
         if not self.drafter_ok:
             d.reason = "drafter down"
         return d
@@ -189,19 +221,21 @@ class Generation:
         cfg, est, pol = self.cfg, self.shared.estimator, self.shared.policy
         cached: DraftResult | None = None  # this round's draft, pre-drafted by the last speculation
         while True:
-            t_round = time.perf_counter()
+            t_round, mark = time.perf_counter(), self.shared.prefill_mark()
+            self.k = self.shared.round_k(cfg.k)
             d = self._decide()
             self.stats.record_decision(d.choice, d.reason, d.rates)
-            fanout = allocate(cfg.fanout_shape, cfg.k, cfg.fanout_budget, est)
+            fanout = allocate(cfg.fanout_shape, self.k, cfg.fanout_budget, est)
             if d.mode == "ar":
                 draft, source = DraftResult([], None), "none"
             elif cached is not None:
-                draft, source = cached, "cache"
+                # pre-drafted at last round's K: a prefix of it is as good a draft at a lower K
+                draft, source = _truncate(cached, self.k), "cache"
             else:
                 draft, source = await self._draft_for(d, prefix, fanout)
             speculate = d.mode == "ssd" and self.drafter_ok
             if speculate:
-                spec = SpeculateCall(self.seq_id, prefix, draft.tokens, cfg.k, fanout, self.params, self.seed,
+                spec = SpeculateCall(self.seq_id, prefix, draft.tokens, self.k, fanout, self.params, self.seed,
                                      self.round, cfg.saguaro_c)
                 (r, tv), spec_out = await self._verify_and_speculate(prefix, draft, spec)
             else:
@@ -215,7 +249,7 @@ class Generation:
             self.stats.record_round(len(block), source)
             if draft.tokens:
                 est.record_round(r.accepted, len(draft.tokens))
-            self._learn(prefix, block, source)
+            self._learn(prefix, block, source, len(draft.tokens))
             key = (r.accepted, r.token)
             hit = key in s.branches
             if speculate:
@@ -225,8 +259,9 @@ class Generation:
                 self.stats.misses += not hit
             self.round += 1
             prefix = prefix + block
-            pol.observe_round(d.choice, len(block), time.perf_counter() - t_round, self.shared.active, cfg.k,
-                              cfg.fanout_budget)
+            if mark is not None and mark == self.shared.prefill_mark():  # no prefill overlapped it
+                pol.observe_round(d.choice, len(block), time.perf_counter() - t_round, self.shared.active, self.k,
+                                  cfg.fanout_budget)
             yield block
             cached = None
             if hit and not self.params.greedy:
@@ -237,14 +272,14 @@ class Generation:
             elif hit:
                 cached = DraftResult(s.branches[key], None)
 
-    def _learn(self, prefix, block, source) -> None:
+    def _learn(self, prefix, block, source, drafted: int) -> None:
         """Acceptance per draft source; and what the n-gram backup would have proposed here, scored
-        against the target's tokens: its E_miss, measured for free."""
+        against the target's tokens: its acceptance, measured for free."""
         pol = self.shared.policy
-        guess = propose(prefix, self.cfg.k)
+        guess = propose(prefix, self.k)
         n_ok = next((i for i, (a, b) in enumerate(zip(guess, block)) if a != b), min(len(guess), len(block) - 1))
-        pol.e_miss["fast"].update(n_ok + 1)
+        pol.e_miss["fast"].update(n_ok, max(len(guess), 1))  # no guess: a round of one token
         if source == "cache":
-            pol.e_hit.update(len(block))
+            pol.e_hit.update(len(block) - 1, drafted)
         elif source in ("neural", "draft"):
-            pol.e_miss["neural"].update(len(block))
+            pol.e_miss["neural"].update(len(block) - 1, drafted)

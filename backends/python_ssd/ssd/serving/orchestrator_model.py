@@ -42,7 +42,8 @@ class OrchestratorModel:
             raise ValueError(f"parameter force_backup must be '', 'neural' or 'fast', got {forced!r}")
         if force_mode not in ("",) + CHOICES:
             raise ValueError(f"parameter force_mode must be '' or one of {CHOICES}, got {force_mode!r}")
-        self.shared = SharedState(policy=ModePolicy(forced_backup=forced or None, forced_mode=force_mode or None))
+        self.shared = SharedState(policy=ModePolicy(forced_backup=forced or None, forced_mode=force_mode or None),
+                                  max_verify_rows=int(_p(params, "max_verify_rows", "32")))
         self.default_max_tokens = int(_p(params, "default_max_tokens", "128"))
         self.max_tokens_limit = int(_p(params, "max_tokens_limit", "2048"))
         self.max_seq_len = int(_p(params, "max_seq_len", "4096"))
