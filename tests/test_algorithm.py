@@ -132,6 +132,12 @@ def test_policy_calibrates_each_choice_and_batch_size_from_measured_rounds():
     for _ in range(30):  # at batch 16 SD runs as predicted
         pol.observe_round("sd", 3, 3 / model16["sd"], 16, 4, 8)
     assert abs(pol.factor("sd", 16) - 1.0) < 1e-6 and abs(pol.factor("sd", 4) - 0.5) < 1e-6
+    for _ in range(30):  # SSD measured at batch 1 only (where it shines) and at batch 8
+        pol.observe_round("ssd+fast", 3, 3 / (2.0 * pol.model_rates(1, 4, 8)["ssd+fast"]), 1, 4, 8)
+    for _ in range(5):
+        pol.observe_round("ssd+fast", 3, 3 / (0.6 * pol.model_rates(8, 4, 8)["ssd+fast"]), 8, 4, 8)
+    # batch 16 has no SSD rounds: batch 8's factor, not the overall one that batch 1 dominates
+    assert abs(pol.factor("ssd+fast", 16) - 0.6) < 1e-6 and pol.factor("ssd+fast", 2) > 1.5
 
 
 def test_policy_dwells_before_switching_again():

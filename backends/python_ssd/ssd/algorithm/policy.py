@@ -20,7 +20,7 @@ proposed; until SSD has run, E_hit is taken as E_sd (a cached branch is what SD 
 The formulas count forward time only; what they miss (Python, BLS, sampling, two engines sharing
 memory bandwidth) is learned as a calibration factor per choice and batch-size bucket (1, 2-3,
 4-7, ...): measured tokens/s over predicted, from the rounds that choice ran at that batch size
-(the choice's factor over all sizes until a bucket has 3 rounds; rounds that another request's
+(the nearest smaller bucket's until a bucket has 3 rounds, else the factor over all sizes; rounds that another request's
 prefill overlapped are left out by the caller). So the formulas extrapolate and the measurements
 decide. Statistics only come from running a choice, so one that has not run at
 this batch size for a while gets a probe (``explore``): every sequence runs it for the next 2
@@ -150,8 +150,14 @@ class ModePolicy:
         return self.calib.setdefault((choice, bucket), Ema(1.0, alpha=0.05))
 
     def factor(self, choice: str, batch: int) -> float:
-        here = self._calib(choice, _bucket(batch))
-        return here.value if here.count >= 3 else self._calib(choice, None).value
+        """The choice's calibration at this batch-size bucket; until it has 3 rounds, that of the
+        nearest smaller bucket that has (batch 8's reality is closer to batch 16's than batch 1's,
+        where SSD runs best), else the factor over all sizes."""
+        for bucket in range(_bucket(batch), -1, -1):
+            here = self.calib.get((choice, bucket))
+            if here is not None and here.count >= 3:
+                return here.value
+        return self._calib(choice, None).value
 
     def rates(self, batch: int, k: int, budget: int) -> dict[str, float]:
         """Predicted tokens/s per sequence for each choice, calibrated by what each one measured."""
