@@ -29,13 +29,7 @@ async def _generate(client, prompt, cfg, n=N_TOKENS, seq="s", params=None, seed=
     from ssd.decoding.generator import Generation
 
     g = Generation(client, seq, list(prompt), params or SamplingParams(), seed, cfg, shared)
-    out = []
-    async for block in g.run():
-        out += block
-        if len(out) >= n:
-            break
-    await client.release(seq)
-    return out[:n], g
+    return await g.take(n), g
 
 
 @pytest.fixture(scope="module")

@@ -171,16 +171,7 @@ def generate(tiny: dict, mode: str, params: SamplingParams, c: float, backup: st
     async def one(i: int, sem: asyncio.Semaphore):
         async with sem:
             g = Generation(client, f"{tag}-{i}", list(PROMPT), params, seed0 + i, cfg, shared)
-            out, it = [], g.run()
-            try:
-                async for block in it:
-                    out += block
-                    if len(out) >= L:
-                        break
-            finally:
-                await it.aclose()
-                await client.release(g.seq_id)
-            return out[:L], g.stats
+            return await g.take(L), g.stats
 
     async def main():
         sem = asyncio.Semaphore(width)

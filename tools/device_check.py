@@ -121,13 +121,7 @@ def gemm_rows(engine: TorchEngine, max_rows: int = 64) -> dict:
 # -- 2. exactness through the decoding loop --------------------------------------------------------
 async def _decode(client, seq: str, prompt: list[int], cfg: DecodeConfig, n: int, shared: SharedState) -> dict:
     g = Generation(client, seq, list(prompt), SamplingParams(), 0, cfg, shared)
-    out = []
-    async for block in g.run():
-        out += block
-        if len(out) >= n:
-            break
-    await client.release(seq)
-    return {"ids": out[:n], **g.stats.to_dict()}
+    return {"ids": await g.take(n), **g.stats.to_dict()}
 
 
 def run_mode(client, prompts, cfg: DecodeConfig, n: int, concurrent: bool) -> list[dict]:

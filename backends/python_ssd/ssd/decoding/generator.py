@@ -151,6 +151,21 @@ class Generation:
         finally:
             self.shared.active -= 1
 
+    async def take(self, n: int) -> list[int]:
+        """The first ``n`` tokens, with no stop conditions (tests and tools that want exactly
+        ``n``), then frees the sequence in the engines."""
+        out: list[int] = []
+        agen = self.run()
+        try:
+            async for block in agen:
+                out += block
+                if len(out) >= n:
+                    break
+        finally:
+            await agen.aclose()
+            await self.c.release(self.seq_id)
+        return out[:n]
+
     # -- drafting ----------------------------------------------------------------------------------
     def _degrade(self, what: str, err: Exception) -> None:
         """A drafter failure costs speed, never correctness: drafts come from the n-gram backup
