@@ -67,10 +67,15 @@ def test_report_counts_divergences_and_fits_the_miss_rate(tmp_path):
              row("greedy", "ssd", 0, [1, 9, 3], 4.0, pred=2.0, p_hit=0.8)]
     # miss rate exactly 0.8 B^-1: the fit must give r = 1, c = 0.8
     split += [row("sweep:budget", "ssd", 0, [1], 4.0, p_hit=1 - 0.8 / b, fanout_budget=b) for b in (4, 8, 16)]
-    raw = {"split": split, "meta": {"preset": "t", "wall_s": 1, "max_tokens": 3, "datasets": ["toy"], "per_dataset": 1}}
+    # at 2 threads AR leaves 1-thread AR at token 2; SD at 2 threads equals AR at 2 threads
+    shared2 = [row("greedy", "ar", 0, [1, 2, 7], 3.0), row("greedy", "sd", 0, [1, 2, 7], 3.5)]
+    raw = {"split": split, "shared2": shared2,
+           "meta": {"preset": "t", "wall_s": 1, "max_tokens": 3, "datasets": ["toy"], "per_dataset": 1}}
     md = report.write(raw, tmp_path)
     assert "| SSD K=4 B=8, 1+1 cores | 0/1 | toy #0 @ 1 |" in md  # the divergence at token 1 is reported
     assert "| SD K=4, 1+1 cores (serial) | 1/1 | - |" in md
+    assert "| AR, 2 threads | 0/1 | toy #0 @ 2 |" in md
+    assert "| SD K=4, 2 threads vs AR, 2 threads | 1/1 | - |" in md
     assert "| SSD / SD, paper protocol | 1.33 | >= 1.25 | yes |" in md
     _, _, r, c = report.budget_fit(raw)
     assert abs(r - 1.0) < 1e-9 and abs(c - 0.8) < 1e-9
