@@ -53,9 +53,9 @@ class PinnedClient(LocalClient):
                        id(drafter): ThreadPoolExecutor(1, initializer=pin(drafter_core)),
                        id(fast): ThreadPoolExecutor(1, initializer=pin(drafter_core))}
 
-    async def _call(self, worker, method: str, call):
+    async def _run(self, worker, method: str, calls: list) -> list:
         def run():
-            return getattr(worker, method)([call])[0]
+            return getattr(worker, method)(calls)
         return await asyncio.get_running_loop().run_in_executor(self._pools[id(worker)], run)
 
 

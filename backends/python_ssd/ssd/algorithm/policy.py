@@ -66,12 +66,11 @@ class Acceptance:
     alpha: float  # the prior
     count: int = 0
     ema: float = 0.05
-    _accepted: float = -1.0
-    _tried: float = 1.0
+    _accepted: float = field(init=False)
+    _tried: float = field(init=False, default=1.0)
 
     def __post_init__(self) -> None:
-        if self._accepted < 0:
-            self._accepted = self.alpha
+        self._accepted = self.alpha  # the prior, as one round's worth of positions
 
     def update(self, accepted: int, drafted: int) -> None:
         """A round drafted ``drafted`` tokens and the target accepted the first ``accepted``."""

@@ -17,9 +17,6 @@ class LocalClient:
         self.target, self.drafter, self.fast = target, drafter, fast
         self._locks = {id(w): threading.Lock() for w in (target, drafter, fast) if w is not None}
 
-    async def _call(self, worker, method: str, call):
-        return (await self._run(worker, method, [call]))[0]
-
     async def _run(self, worker, method: str, calls: list) -> list:
         def run():
             with self._locks[id(worker)]:
@@ -32,20 +29,23 @@ class LocalClient:
         worker = {"target": self.target, "drafter": self.drafter, "backup": self.fast}[ROUTE[op]]
         return await self._run(worker, worker_method(op), calls)
 
+    async def _one(self, op: str, call):
+        return (await self.call_many(op, [call]))[0]
+
     async def verify(self, call: VerifyCall) -> VerifyResult:
-        return await self._call(self.target, "verify", call)
+        return await self._one("verify", call)
 
     async def draft(self, call: DraftCall) -> DraftResult:
-        return await self._call(self.drafter, "draft", call)
+        return await self._one("draft", call)
 
     async def speculate(self, call: SpeculateCall) -> SpeculateResult:
-        return await self._call(self.drafter, "speculate", call)
+        return await self._one("speculate", call)
 
     async def fetch(self, call: FetchCall) -> DraftResult:
-        return await self._call(self.drafter, "fetch", call)
+        return await self._one("fetch", call)
 
     async def fast_draft(self, call: DraftCall) -> DraftResult:
-        return await self._call(self.fast, "draft", call)
+        return await self._one("fast_draft", call)
 
     async def release(self, seq_id: str) -> None:
         for w in (self.target, self.drafter, self.fast):
