@@ -63,7 +63,8 @@ def _policy(e_draft: float = 3.6, e_hit: float = 3.9, p_hit: float = 0.8, drafte
         pol.target.observe(rows, s)
     for rows, s in ((1, 0.08), (8, 0.08), (32, 0.10), (128, 0.40), (512, 1.6)):
         pol.drafter.observe(rows, s * drafter_scale)
-    pol.p_hit.value, pol.e_hit.alpha = p_hit, _alpha(e_hit)
+    pol.p_hit["model"].value = pol.p_hit["fast"].value = p_hit
+    pol.e_hit.alpha = _alpha(e_hit)
     pol.e_miss["neural"].alpha, pol.e_miss["fast"].alpha, pol.t_fast.value = _alpha(e_draft), _alpha(1.5), 0.003
     pol.e_hit.count = 1
     pol.explore_new = pol.explore_every = 10**9  # these tests check the prediction, not exploration
@@ -106,6 +107,37 @@ def test_policy_fast_backup_and_b_star():
     assert rb["ssd+fast"] > rb["ssd+neural"] and rprev["ssd+fast"] <= rprev["ssd+neural"]
     forced = ModePolicy(forced_backup="fast")
     assert forced.choose(1, 4, 8, ("ssd+neural", "ssd+fast")).choice == "ssd+fast"
+
+
+def test_hit_rate_is_learned_per_draft_source():
+    """An n-gram draft is mostly rejected at once, an outcome the speculation covers: its rounds hit
+    far more often than those verifying a model-quality draft. With the fast backup a miss leads to
+    an n-gram round, a hit to a model-quality one, so its share of hit rounds is p_f / (1 - p_m + p_f).
+    Learning one rate from whichever backup ran under-rates the other (the neural backup's 0.5 kept
+    the fast backup looking no better, and the policy stayed with the slower one)."""
+    pol = _policy(e_draft=3.6, e_hit=3.6, p_hit=0.5, drafter_scale=1.1)
+    pol.hysteresis = 0.0
+    both = ("ssd+neural", "ssd+fast")
+    assert pol.choose(1, 4, 8, both).choice == "ssd+neural"  # one rate for both: neural looks best
+    for i in range(200):
+        pol.observe_lookup("cache", i % 2 == 0)  # model-quality drafts: half hit
+        pol.observe_lookup("neural", i % 2 == 0)
+        pol.observe_lookup("fast", i % 5 != 0)  # n-gram drafts: 4 in 5 hit
+    p_m, p_f = pol.p_hit["model"].value, pol.p_hit["fast"].value  # running means: near 0.5 and 0.8
+    assert abs(p_m - 0.5) < 0.08 and abs(p_f - 0.8) < 0.08
+    assert pol.hit_share("neural") == p_m and abs(pol.hit_share("fast") - p_f / (1 - p_m + p_f)) < 1e-12
+    assert pol.choose(1, 4, 8, both).choice == "ssd+fast"
+
+
+def test_tree_budget_shrinks_when_branches_stop_being_free():
+    pol = _policy()
+    assert pol.tree_budget(1, 4, 8) == 8 and pol.tree_budget(1, 4, 16) == 16  # weight-bound: branches ride free
+    # batch 16, K = 1: 16 x 8 = 128 tree rows cost the drafter 0.3 s over the 32-row minimum, far
+    # more than a quarter of the verify (0.33 s); 16 x 3 = 48 rows cost 0.05 s more, 16 x 4 0.1 s
+    assert pol.tree_budget(16, 1, 8) == 3
+    assert pol.tree_budget(64, 4, 8) == 5  # never below one branch per depth (K + 1)
+    assert pol.model_rates(16, 1, 3)["ssd+fast"] > pol.model_rates(16, 1, 8)["ssd+fast"]
+    assert ModePolicy().tree_budget(16, 1, 8) == 8  # nothing measured yet: the request's budget
 
 
 def test_policy_keeps_its_choice_within_hysteresis():

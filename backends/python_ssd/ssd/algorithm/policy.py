@@ -11,6 +11,16 @@ B speculation branches per sequence:
     SSD(kind) [p E_hit + (1-p) E_miss(kind)] / (max(T_v, T_s) + (1 - p^b) T_backup(kind))
               T_v = T_t(b(K+1)),  T_s = T_d(b(K+1)) + K T_d(bB)   (verify and speculation overlap)
               T_backup(neural) = K T_d(m), m = expected missing rows; T_backup(fast) = measured
+              p = the share of rounds whose draft is a cache hit (below)
+
+The hit rate depends on what the round verifies. A model-quality draft (a cached branch or the
+neural backup's) is accepted far and wide, so its outcome (k, t*) is hard to guess: p_m. An n-gram
+draft is mostly rejected at once (k = 0), which the speculation's widest fan-out covers: p_f, much
+higher. With the neural backup every draft is model-quality, p = p_m. With the fast backup a hit
+leads to a model-quality round and a miss to an n-gram round: a two-state chain whose share of
+hit rounds is p = p_f / (1 - p_m + p_f). One hit rate for both (what SSD ran last) under-rated
+whichever backup was not running: measured served at batch 1, the policy kept the neural backup
+(p 0.52) at 3.6-4.1 tok/s where the fast one ran at 4.8-5.4 (p 0.61).
 
 The whole batch waits for any row that misses (probability 1 - p^b), and the speculation tree puts
 b B rows through the drafter per step, so SSD's edge shrinks as b grows: a fast backup first, then
@@ -105,7 +115,8 @@ class ModePolicy:
     forced_mode: str | None = None  # one of CHOICES, or None (auto)
     hysteresis: float = 0.1
     min_dwell: int = 16
-    p_hit: Ema = field(default_factory=lambda: Ema(0.6))
+    # cache hit rate by the source of the draft being verified: "model" (cached / neural) or "fast"
+    p_hit: dict = field(default_factory=lambda: {"model": Ema(0.6), "fast": Ema(0.8)})
     e_hit: Acceptance = field(default_factory=lambda: Acceptance(0.7))  # drafts from the speculation cache
     e_miss: dict = field(default_factory=lambda: {"neural": Acceptance(0.7), "fast": Acceptance(0.25)})
     t_fast: Ema = field(default_factory=lambda: Ema(0.002))  # seconds per n-gram backup call
@@ -118,6 +129,7 @@ class ModePolicy:
     explore_margin: float = 1.5
     explore_budget: float = 0.03  # share of the rounds that probes may give up (see _probe_due)
     probe_rounds: int = 2
+    tree_slack: float = 0.25  # share of a verify the speculation's extra branches may cost (tree_budget)
     rounds: int = 0  # rounds of the batch so far (one per round, whatever the batch size)
     switched_at: int = -10**9  # round of the last switch (none yet: the first one may come at once)
     probe: str = ""  # the choice being explored, and the round its probe ends at
@@ -132,18 +144,43 @@ class ModePolicy:
         if not (self.target.known and self.drafter.known):
             return {c: 0.0 for c in CHOICES}
         b, T_t, T_d = max(batch, 1), self.target, self.drafter
-        p = self.p_hit.value
         t_v = T_t(b * (k + 1))
         t_s = T_d(b * (k + 1)) + k * T_d(b * budget)
-        missing = max(1.0, (1 - p) * b)
-        t_backup = {"neural": k * T_d(missing), "fast": self.t_fast.value}
         e_sd = self.e_miss["neural"].tokens(k)
         e_hit = self.e_hit.tokens(k) if self.e_hit.count else e_sd
         out = {"ar": 1 / T_t(b), "sd": e_sd / (k * T_d(b) + t_v)}
         for kind in ("neural", "fast"):
+            p = self.hit_share(kind)
+            missing = max(1.0, (1 - p) * b)
+            t_backup = k * T_d(missing) if kind == "neural" else self.t_fast.value
             num = p * e_hit + (1 - p) * self.e_miss[kind].tokens(k)
-            out[f"ssd+{kind}"] = num / (max(t_v, t_s) + (1 - p ** b) * t_backup[kind])
+            out[f"ssd+{kind}"] = num / (max(t_v, t_s) + (1 - p ** b) * t_backup)
         return out
+
+    def tree_budget(self, batch: int, k: int, budget: int) -> int:
+        """This round's fan-out budget: the largest B <= ``budget`` whose speculation tree costs the
+        drafter at most ``tree_slack`` of a verify more than the smallest tree (B = K + 1, one
+        branch per depth). At batch 1 the drafter is bound by reading its weights and 8 branches
+        cost what 5 do, so B stays; at batch 16 a tree of b B = 128 rows is compute-bound and
+        takes several verifies, so B shrinks until the speculation fits again (as K does for the
+        target's rows, ``SharedState.round_k``). Fewer branches lower the hit rate, never the
+        output: every round is verified in full."""
+        floor = k + 1
+        if budget <= floor or not (self.target.known and self.drafter.known):
+            return budget
+        b = max(batch, 1)
+        base, allowance = self.drafter(b * floor), self.tree_slack * self.target(b * (k + 1)) / k
+        return next((B for B in range(budget, floor, -1) if self.drafter(b * B) - base <= allowance), floor)
+
+    def hit_share(self, backup: str) -> float:
+        """The share of SSD rounds that start from a cache hit with this backup (see the top)."""
+        p_m, p_f = self.p_hit["model"].value, self.p_hit["fast"].value
+        return p_m if backup == "neural" else p_f / max(1.0 - p_m + p_f, 1e-9)
+
+    def observe_lookup(self, draft_source: str, hit: bool) -> None:
+        """A round whose draft came from ``draft_source`` (cache | neural | fast) was verified and
+        its outcome was (``hit``) or was not among the pre-drafted branches."""
+        self.p_hit["fast" if draft_source == "fast" else "model"].update(float(hit))
 
     def _calib(self, choice: str, bucket: int | None) -> Ema:
         return self.calib.setdefault((choice, bucket), Ema(1.0, alpha=0.05))

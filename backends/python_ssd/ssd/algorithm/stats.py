@@ -28,6 +28,7 @@ class RequestStats:
     decode_s: float = 0.0
     new_tokens: int = 0
     backup_reasons: Counter = field(default_factory=Counter)
+    budgets: Counter = field(default_factory=Counter)  # fan-out budget B -> SSD rounds run with it
     decisions: Counter = field(default_factory=Counter)  # "choice: reason" per round (ssd+neural, sd, ar...)
     last_rates: dict = field(default_factory=dict)  # the policy's predicted tokens/s per choice, last round
     degraded: str = ""  # set when a drafter failed and the request went on without it
@@ -80,6 +81,7 @@ class RequestStats:
             "e_miss": round(e_miss, 4),
             "backup_used": dict(Counter(s for s in self.source_per_round if s in ("neural", "fast"))),
             "backup_reasons": dict(self.backup_reasons),
+            "fanout_budgets": {str(b): n for b, n in sorted(self.budgets.items())},
             "policy_decisions": dict(self.decisions),
             "rounds_by_choice": dict(Counter(k.split(":")[0] for k in self.decisions.elements())),
             "policy_rates_tok_s": {k: round(v, 3) for k, v in self.last_rates.items()},

@@ -221,12 +221,11 @@ class Generation:
             spec_out = None
         return verify_out, spec_out
 
-    def _decide(self) -> Decision:
+    def _decide(self, budget: int) -> Decision:
         allowed = self.cfg.allowed()
         if not self.drafter_ok:  # only the target and the n-gram backup are left
             allowed = ("ar",) if self.cfg.mode == "ar" else ("ssd+fast", "ar")
-        d = self.shared.policy.choose(self.shared.active, self.k, self.cfg.fanout_budget, allowed,
-                                      self.seq_id)
+        d = self.shared.policy.choose(self.shared.active, self.k, budget, allowed, self.seq_id)
         if not self.drafter_ok:
             d.reason = "drafter down"
         return d
@@ -238,9 +237,10 @@ class Generation:
         while True:
             t_round, mark = time.perf_counter(), self.shared.prefill_mark()
             self.k = self.shared.round_k(cfg.k)
-            d = self._decide()
+            budget = pol.tree_budget(self.shared.active, self.k, cfg.fanout_budget)
+            d = self._decide(budget)
             self.stats.record_decision(d.choice, d.reason, d.rates)
-            fanout = allocate(cfg.fanout_shape, self.k, cfg.fanout_budget, est)
+            fanout = allocate(cfg.fanout_shape, self.k, budget, est)
             if d.mode == "ar":
                 draft, source = DraftResult([], None), "none"
             elif cached is not None:
@@ -268,15 +268,16 @@ class Generation:
             key = (r.accepted, r.token)
             hit = key in s.branches
             if speculate:
+                self.stats.budgets[budget] += 1
                 est.record_lookup(fanout[r.accepted], hit)
-                pol.p_hit.update(float(hit))
+                pol.observe_lookup(source, hit)
                 self.stats.hits += hit
                 self.stats.misses += not hit
             self.round += 1
             prefix = prefix + block
             if mark is not None and mark == self.shared.prefill_mark():  # no prefill overlapped it
                 pol.observe_round(d.choice, len(block), time.perf_counter() - t_round, self.shared.active, self.k,
-                                  cfg.fanout_budget)
+                                  budget)
             yield block
             cached = None
             if hit and not self.params.greedy:
