@@ -37,6 +37,27 @@ def test_inprocess_runner_is_exact_and_reports(engine_root, codec, tmp_path):
         assert sum(r["rounds_by_choice"].values()) == r["rounds"]
 
 
+def test_inprocess_runner_answers_jobs_from_stdin(engine_root, codec):
+    """The bench keeps the runner alive beside the idle server and sends each job after its served twin."""
+    proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "bench" / "inprocess.py"), "--target",
+                             str(engine_root / TARGET), "--drafter", str(engine_root / WEAK), "--max-tokens", str(N),
+                             "--jobs-stdin"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(proc.stdout.readline()) == {"ready": True}
+        ids = codec.encode_prompt(PROMPTS[0])
+        rows = []
+        for mode in ("ar", "ssd"):
+            proc.stdin.write(json.dumps({"dataset": "toy", "index": 0, "ids": ids, "mode": mode}) + "\n")
+            proc.stdin.flush()
+            rows.append(json.loads(proc.stdout.readline()))
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+    assert [(r["dataset"], r["prompt"], r["mode"]) for r in rows] == [("toy", 0, "ar"), ("toy", 0, "ssd")]
+    assert rows[1]["ids"] == rows[0]["ids"] and 0 < len(rows[0]["ids"]) <= N
+
+
 def test_peer_matches_our_greedy_ar(engine_root, codec, tmp_path):
     prompts = _prompts(tmp_path, codec)
     ours, peer = tmp_path / "ours.json", tmp_path / "peer.json"
@@ -77,6 +98,10 @@ def test_report_counts_divergences_and_fits_the_miss_rate(tmp_path):
     assert "| AR, 2 threads | 0/1 | toy #0 @ 2 |" in md
     assert "| SD K=4, 2 threads vs AR, 2 threads | 1/1 | - |" in md
     assert "| SSD / SD, paper protocol | 1.33 | >= 1.25 | yes |" in md
+    # served / in-process pairs the prompts the in-process runs covered (prompt 1 has no twin)
+    paired = {"split": [row("greedy", "ar", 0, [1], 2.0), row("greedy", "ar", 1, [1], 10.0)],
+              "inproc": [dict(mode="ar", dataset="toy", prompt=0, decode_tokens_per_s=2.5)]}
+    assert abs(report.serving_ratio(paired, "ar") - 0.8) < 1e-12
     _, _, r, c = report.budget_fit(raw)
     assert abs(r - 1.0) < 1e-9 and abs(c - 0.8) < 1e-9
     for png in ("throughput.png", "hit_rate_vs_budget.png", "ssd_over_sd_predicted_vs_measured.png"):

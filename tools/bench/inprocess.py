@@ -4,7 +4,10 @@ The same engines, workers and decoding loop as the server, with the engine param
 model_repository/*/config.pbtxt, and the same placement: every target call runs on one thread pinned
 to the target's core, every drafter / n-gram call on one pinned to the drafter's core (torch with one
 intra-op thread computes on the calling thread). Served minus in-process is the cost of serving:
-BLS round trips, JSON, the dynamic batcher, a second process.
+BLS round trips, JSON, the dynamic batcher, a second process. With ``--jobs-stdin`` the bench keeps
+it running beside the idle server and sends each in-process job right after the same served one, so
+the two are measured minutes, not half an hour, apart (this machine's step time drifts by up to 40%
+over a run: a comparison of two phases measured the drift, not the serving).
 """
 from __future__ import annotations
 
@@ -79,7 +82,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--drafter", type=Path, required=True)
-    ap.add_argument("--prompts", type=Path, required=True, help="JSON: [{dataset, index, ids}]")
+    ap.add_argument("--prompts", type=Path, help="JSON: [{dataset, index, ids}]")
     ap.add_argument("--modes", default="ar,sd,ssd")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -87,8 +90,13 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=8)
     ap.add_argument("--c", type=float, default=1.0)
     ap.add_argument("--backup", default="auto")
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, help="run every prompt x mode, write the rows here (JSON)")
+    ap.add_argument("--jobs-stdin", action="store_true",
+                    help="instead: read jobs (JSON lines: dataset, index, ids, mode) from stdin and answer each "
+                         "with its row as a JSON line on stdout, so a caller can interleave them with served runs")
     a = ap.parse_args()
+    if not (a.out or a.jobs_stdin):
+        ap.error("one of --out or --jobs-stdin is required")
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     target = load_engine(a.target, model_params("target"))
@@ -99,16 +107,23 @@ def main() -> None:
                           int(model_params("target")["cores"].split(",")[0]),
                           int(model_params("drafter_primary")["cores"].split(",")[0]))
     shared = SharedState()
-    prompts = json.loads(a.prompts.read_text())
-    asyncio.run(generate(client, shared, prompts[0]["ids"][:16], "ssd", argparse.Namespace(**{**vars(a), "max_tokens": 4})))
-    rows = []
-    for p in prompts:
-        for mode in a.modes.split(","):
-            r = asyncio.run(generate(client, shared, p["ids"], mode, a))
-            rows.append({"dataset": p["dataset"], "prompt": p["index"], "mode": mode, **r})
-            print(f"[in-process] {p['dataset']} #{p['index']} {mode}: {r['decode_tokens_per_s']:.2f} tok/s, "
-                  f"accept len {r['acceptance_length']:.2f}, p_hit {r['p_hit']:.2f}", file=sys.stderr, flush=True)
-    a.out.write_text(json.dumps(rows))
+    prompts = json.loads(a.prompts.read_text()) if a.prompts else []
+    warm = prompts[0]["ids"][:16] if prompts else [1, 2, 3, 4]  # first-call allocations
+    asyncio.run(generate(client, shared, warm, "ssd", argparse.Namespace(**{**vars(a), "max_tokens": 4})))
+    def run(p: dict, mode: str) -> dict:
+        r = asyncio.run(generate(client, shared, p["ids"], mode, a))
+        print(f"[in-process] {p['dataset']} #{p['index']} {mode}: {r['decode_tokens_per_s']:.2f} tok/s, "
+              f"accept len {r['acceptance_length']:.2f}, p_hit {r['p_hit']:.2f}", file=sys.stderr, flush=True)
+        return {"dataset": p["dataset"], "prompt": p["index"], "mode": mode, **r}
+
+    if a.jobs_stdin:
+        print(json.dumps({"ready": True}), flush=True)
+        for line in sys.stdin:
+            if line.strip():
+                job = json.loads(line)
+                print(json.dumps(run(job, job["mode"])), flush=True)
+        return
+    a.out.write_text(json.dumps([run(p, mode) for p in prompts for mode in a.modes.split(",")]))
 
 
 if __name__ == "__main__":

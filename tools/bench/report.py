@@ -196,6 +196,13 @@ def plots(raw: dict, out: Path) -> list[str]:
     return made
 
 
+def serving_ratio(raw: dict, mode: str) -> float:
+    """Served over in-process decode tok/s on the same prompts (the in-process runs cover fewer)."""
+    inproc = {(r["dataset"], r["prompt"]): r["decode_tokens_per_s"] for r in greedy_rows(raw, "inproc", mode)}
+    served = [r["decode_tokens_per_s"] for r in greedy_rows(raw, "split", mode) if (r["dataset"], r["prompt"]) in inproc]
+    return mean(served) / mean(inproc.values()) if served and inproc else float("nan")
+
+
 def targets(raw: dict, fig: dict) -> str:
     g = lambda k: fig.get(k, float("nan"))  # noqa: E731
     ssd, sd, ar = g("SSD K=4 B=8, 1+1 cores"), g("SD K=4, 1+1 cores (serial)"), g("AR, 1 core")
@@ -204,9 +211,7 @@ def targets(raw: dict, fig: dict) -> str:
             ("SSD (1+1) / best of SD 2 threads and peer", ssd / max(sd2, peer), 1.15),
             ("our SD 2 threads / peer 2 threads", sd2 / peer, 1.0)]
     for mode, label in (("ar", "AR"), ("sd", "SD"), ("ssd", "SSD")):
-        served, inproc = g({"ar": "AR, 1 core", "sd": "SD K=4, 1+1 cores (serial)", "ssd": "SSD K=4 B=8, 1+1 cores"}[mode]), \
-            g(f"in-process {label}")
-        rows.append((f"served / in-process {label} (serving overhead <= 10%)", served / inproc, 0.9))
+        rows.append((f"served / in-process {label} (serving overhead <= 10%)", serving_ratio(raw, mode), 0.9))
     mem = raw.get("meta", {}).get("peak_rss_gb", {})
     lines = ["| target | measured | goal | met |", "|---|---|---|---|"]
     for name, v, goal in rows:

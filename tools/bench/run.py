@@ -5,7 +5,8 @@ Phases (each prints progress and an ETA):
             AR, SD, SSD greedy; AR, SD, SSD at temperature 0.7; the sweeps (K, fan-out shape and
             budget, backup, C) that choose the shipped defaults
   shared2   served, every engine on both cores with 2 threads: AR and SD (same hardware for everyone)
-  inproc    the same engines without Triton (tools/bench/inprocess.py): the serving overhead
+  inproc    the same engines without Triton (tools/bench/inprocess.py): the serving overhead; each
+            greedy in-process job runs right after its served twin (split phase), same prompt, same cores
   peer      transformers assisted generation on the same pair, prompts and 2 cores (tools/bench/peer.py)
 Outputs in --out (default results/bench/): raw.json, report.md (tables per dataset and overall,
 correctness pass, sweeps, defaults), throughput.png, hit_rate_vs_budget.png,
@@ -22,6 +23,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -122,8 +124,36 @@ class PeakMemory(threading.Thread):
 PEAK_RSS: dict[str, float] = {}
 
 
-def run_served(layout: str, jobs: list[tuple[dict, dict]], a, prog: Progress) -> list[dict]:
-    """jobs: (tags, request overrides). One server for all of them."""
+class InProcess:
+    """tools/bench/inprocess.py kept running (engines loaded once), answering one job at a time."""
+
+    def __init__(self, tdir: Path, ddir: Path, max_tokens: int):
+        print("[bench] in-process: loading the engines (tools/bench/inprocess.py --jobs-stdin) ...", flush=True)
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "inprocess.py"), "--target", str(tdir),
+                                      "--drafter", str(ddir), "--max-tokens", str(max_tokens), "--jobs-stdin"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._read()  # {"ready": true} once loaded and warmed up
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"[bench] inprocess.py exited (code {self.proc.wait()})")
+        return json.loads(line)
+
+    def run(self, dataset: str, index: int, ids: list[int], mode: str) -> dict:
+        self.proc.stdin.write(json.dumps({"dataset": dataset, "index": index, "ids": ids, "mode": mode}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def run_served(layout: str, jobs: list[tuple[dict, dict]], a, prog: Progress,
+               paired: Callable[[dict], dict | None] | None = None) -> list[dict]:
+    """jobs: (tags, request overrides). One server for all of them. ``paired(tags)``, if given, runs
+    right after each served job (the in-process twin of a greedy one) while the server idles."""
     print(f"[bench] starting tritonserver ({layout} layout) ...", flush=True)
     srv = start(layout, a)
     mem = PeakMemory(srv.proc.pid)
@@ -146,6 +176,8 @@ def run_served(layout: str, jobs: list[tuple[dict, dict]], a, prog: Progress) ->
             prog.step(f"{layout} {row.get('phase')} {row.get('dataset')} #{row.get('prompt')} {row.get('mode')} "
                       f"{body or ''}: {row['decode_tokens_per_s']:.2f} tok/s, accept {row['acceptance_length']:.2f}, "
                       f"p_hit {row['p_hit']:.2f}")
+            if paired is not None and paired(tags) is not None:
+                prog.step(f"in-process {tags['dataset']} #{tags['prompt']} {tags['mode']}")
     finally:
         mem.stop.set()
         PEAK_RSS[layout] = round(max(mem.peak, tree_rss_gb(srv.proc.pid)), 2)
@@ -209,20 +241,36 @@ def main() -> None:
     print(f"[bench] preset {a.preset}: {total} generations in phases {phases}", flush=True)
     t0 = time.time()
     raw: dict[str, list] = {}
+    # In-process twins of the greedy served jobs on the inproc prompts, each run right after its served
+    # job (the server idles meanwhile; both fit in memory): served / in-process then compares the same
+    # prompt minutes apart instead of two phases half an hour apart on a machine whose speed drifts.
+    twins = {(p["dataset"], p["prompt"]) for p in inproc}
+    inproc_rows: list[dict] = []
+    engine = InProcess(tdir, ddir, pr.max_tokens) if "inproc" in phases else None
+
+    def twin(tags: dict) -> dict | None:
+        if engine is None or tags.get("phase") != "greedy" or (tags["dataset"], tags["prompt"]) not in twins:
+            return None
+        inproc_rows.append(engine.run(tags["dataset"], tags["prompt"], codec.encode_prompt(tags["text"]),
+                                      tags["mode"]))
+        return inproc_rows[-1]
+
     if "split" in phases:
-        raw["split"] = run_served("split", split_jobs, a, prog)
+        raw["split"] = run_served("split", split_jobs, a, prog, paired=twin)
+    elif engine is not None:  # no served phase to pair with: the in-process runs alone
+        for p in inproc:
+            for m in ("ar", "sd", "ssd"):
+                twin({**p, "phase": "greedy", "mode": m})
+                prog.step(f"in-process {p['dataset']} #{p['prompt']} {m}")
+    if engine is not None:
+        engine.close()
+        raw["inproc"] = inproc_rows
+        (a.out / "inproc.json").write_text(json.dumps(inproc_rows))
     if "shared2" in phases:
         raw["shared2"] = run_served("shared2", shared_jobs, a, prog)
     ids_file = a.out / "prompt_ids.json"
     ids_file.write_text(json.dumps([{"dataset": p["dataset"], "index": p["prompt"], "ids": codec.encode_prompt(p["text"])}
                                     for p in main_prompts]))
-    if "inproc" in phases:
-        inproc_file = a.out / "prompt_ids_inproc.json"
-        inproc_file.write_text(json.dumps([{"dataset": p["dataset"], "index": p["prompt"],
-                                            "ids": codec.encode_prompt(p["text"])} for p in inproc]))
-        raw["inproc"] = run_subprocess("inprocess.py", ["--target", str(tdir), "--drafter", str(ddir), "--prompts",
-                                                        str(inproc_file), "--max-tokens", str(pr.max_tokens)],
-                                       a.out / "inproc.json", 3 * len(inproc), prog, "in-process")
     if "peer" in phases:
         raw["peer"] = run_subprocess("peer.py", ["--target", str(tdir), "--drafter", str(ddir), "--prompts",
                                                  str(ids_file), "--max-tokens", str(pr.max_tokens), "--k", pr.peer_k,
