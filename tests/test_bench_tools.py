@@ -93,7 +93,7 @@ def test_report_counts_divergences_and_fits_the_miss_rate(tmp_path):
     raw = {"split": split, "shared2": shared2,
            "meta": {"preset": "t", "wall_s": 1, "max_tokens": 3, "datasets": ["toy"], "per_dataset": 1}}
     md = report.write(raw, tmp_path)
-    assert "| SSD K=4 B=8, 1+1 cores | 0/1 | toy #0 @ 1 |" in md  # the divergence at token 1 is reported
+    assert "| SSD K=4 B=12, 1+1 cores | 0/1 | toy #0 @ 1 |" in md  # the divergence at token 1 is reported
     assert "| SD K=4, 1+1 cores (serial) | 1/1 | - |" in md
     assert "| AR, 2 threads | 0/1 | toy #0 @ 2 |" in md
     assert "| SD K=4, 2 threads vs AR, 2 threads | 1/1 | - |" in md

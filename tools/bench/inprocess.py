@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--budget", type=int, default=8)
+    ap.add_argument("--budget", type=int, default=12)
     ap.add_argument("--c", type=float, default=1.0)
     ap.add_argument("--backup", default="auto")
     ap.add_argument("--out", type=Path, help="run every prompt x mode, write the rows here (JSON)")

@@ -9,7 +9,7 @@ from pathlib import Path
 # (label, source, phase/mode filter)
 CONFIGS = [
     ("AR, 1 core", "split", "ar"), ("SD K=4, 1+1 cores (serial)", "split", "sd"),
-    ("SSD K=4 B=8, 1+1 cores", "split", "ssd"), ("AR, 2 threads", "shared2", "ar"),
+    ("SSD K=4 B=12, 1+1 cores", "split", "ssd"), ("AR, 2 threads", "shared2", "ar"),
     ("SD K=4, 2 threads", "shared2", "sd"), ("peer K=2, 2 threads", "peer", 2), ("peer K=4, 2 threads", "peer", 4),
     ("in-process AR", "inproc", "ar"), ("in-process SD", "inproc", "sd"), ("in-process SSD", "inproc", "ssd"),
 ]
@@ -205,7 +205,7 @@ def serving_ratio(raw: dict, mode: str) -> float:
 
 def targets(raw: dict, fig: dict) -> str:
     g = lambda k: fig.get(k, float("nan"))  # noqa: E731
-    ssd, sd, ar = g("SSD K=4 B=8, 1+1 cores"), g("SD K=4, 1+1 cores (serial)"), g("AR, 1 core")
+    ssd, sd, ar = g("SSD K=4 B=12, 1+1 cores"), g("SD K=4, 1+1 cores (serial)"), g("AR, 1 core")
     sd2, peer = g("SD K=4, 2 threads"), max(g("peer K=2, 2 threads"), g("peer K=4, 2 threads"))
     rows = [("SSD / SD, paper protocol", ssd / sd, 1.25), ("SSD / AR, paper protocol", ssd / ar, 1.8),
             ("SSD (1+1) / best of SD 2 threads and peer", ssd / max(sd2, peer), 1.15),

@@ -50,7 +50,7 @@ class Preset:
 # every SSD sweep point states all knobs, so the shared baseline (the shipped defaults) runs once
 # step_aside off: these rows measure SSD itself; what the mode policy does under load is the
 # Locust sweep's subject (loadtest/sweep.py)
-SSD_BASE = {"num_draft_tokens": 4, "fanout_budget": 8, "fanout_shape": "geometric", "backup": "auto", "saguaro_c": 1.0,
+SSD_BASE = {"num_draft_tokens": 4, "fanout_budget": 12, "fanout_shape": "geometric", "backup": "auto", "saguaro_c": 1.0,
             "step_aside": False}
 PIN = {"ssd": {"step_aside": False}}
 SWEEPS_FULL = {
@@ -210,7 +210,7 @@ def main() -> None:
     a = ap.parse_args()
     pr = PRESETS[a.preset]
     # server defaults for the run: the shipped ones (model_repository/ssd/config.pbtxt)
-    a.k, a.budget, a.c, a.backup, a.temperature, a.max_tokens = 4, 8, 1.0, "auto", 0.0, pr.max_tokens
+    a.k, a.budget, a.c, a.backup, a.temperature, a.max_tokens = 4, 12, 1.0, "auto", 0.0, pr.max_tokens
     a.out.mkdir(parents=True, exist_ok=True)
     roles = engines_by_role(a.config)
     tdir, ddir = a.engine_root / roles["target"], a.engine_root / roles["drafter"]

@@ -33,7 +33,7 @@ class OrchestratorModel:
         self.codec = TextCodec(resolve_engine_dir(params["tokenizer"]))
         self.defaults = DecodeConfig(
             mode=_p(params, "default_mode", "ssd"), k=int(_p(params, "num_draft_tokens", "4")),
-            fanout_budget=int(_p(params, "fanout_budget", "8")), fanout_shape=_p(params, "fanout_shape", "geometric"),
+            fanout_budget=int(_p(params, "fanout_budget", "12")), fanout_shape=_p(params, "fanout_shape", "geometric"),
             saguaro_c=float(_p(params, "saguaro_c", "1.0")), backup=_p(params, "backup", "auto"),
             step_aside=_p(params, "step_aside", "true").lower() == "true")
         self.defaults.validate()
