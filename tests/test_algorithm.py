@@ -158,7 +158,7 @@ def test_policy_calibrates_each_choice_and_batch_size_from_measured_rounds():
         pol.observe_round("sd", 3, 3 / (0.5 * model["sd"]), 4, 4, 8)
     assert abs(pol.rates(4, 4, 8)["sd"] / model["sd"] - 0.5) < 1e-6
     assert pol.rates(4, 4, 8)["ar"] == model["ar"]  # other choices keep their own factor
-    # batch 5 shares the 4-7 bucket; batch 16 has no rounds of its own yet: the choice's overall factor
+    # batch 5 shares the 3-5 bucket; batch 16 has no rounds of its own yet: the choice's overall factor
     assert abs(pol.factor("sd", 5) - 0.5) < 1e-6 and abs(pol.factor("sd", 16) - 0.5) < 1e-6
     model16 = pol.model_rates(16, 4, 8)
     for _ in range(30):  # at batch 16 SD runs as predicted

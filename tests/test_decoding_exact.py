@@ -96,6 +96,31 @@ def test_rounds_overlapping_a_prefill_do_not_calibrate_the_policy(engines, codec
     assert counts[1] == 0 and counts[0] > 0
 
 
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_drafter_prefills_the_prompt_beside_the_target(engines, codec, mode):
+    """A request that may draft has its prompt in the drafter's cache when the first token comes
+    back (prefilled at the same time as the target's), not at its first draft; AR leaves the
+    drafter alone."""
+    from ssd.algorithm.sampling import SamplingParams
+    from ssd.decoding.generator import DecodeConfig, Generation
+
+    client = _client(engines, "strong")
+    prompt = codec.encode_prompt(PROMPTS[1])
+
+    async def first_block():
+        g = Generation(client, f"warm-{mode}", list(prompt), SamplingParams(), 0, DecodeConfig(mode=mode))
+        agen = g.run()
+        block = await agen.__anext__()
+        cached = engines["strong"].cached_tokens(f"warm-{mode}")
+        await agen.aclose()
+        await client.release(f"warm-{mode}")
+        return block, cached
+
+    block, cached = asyncio.run(first_block())
+    assert len(block) == 1
+    assert cached == ([] if mode == "ar" else prompt)
+
+
 def test_both_hits_and_misses_happen(engines, codec):
     """The exactness runs above exercise both paths: SSD with each drafter sees hits and misses."""
     from ssd.decoding.generator import DecodeConfig

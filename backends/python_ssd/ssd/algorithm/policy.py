@@ -28,8 +28,8 @@ plain SD (no tree), then AR (no draft rows at all) take over once they predict m
 E_miss(fast) is measured for free: after each round we score what the n-gram lookup would have
 proposed; until SSD has run, E_hit is taken as E_sd (a cached branch is what SD would have drafted).
 The formulas count forward time only; what they miss (Python, BLS, sampling, two engines sharing
-memory bandwidth) is learned as a calibration factor per choice and batch-size bucket (1, 2-3,
-4-7, ...): measured tokens/s over predicted, from the rounds that choice ran at that batch size
+memory bandwidth) is learned as a calibration factor per choice and batch-size bucket (1, 2,
+3-5, 6-11, 12-22, ...): measured tokens/s over predicted, from the rounds that choice ran at that batch size
 (the nearest smaller bucket's until a bucket has 3 rounds, else the factor over all sizes; rounds that another request's
 prefill overlapped are left out by the caller). So the formulas extrapolate and the measurements
 decide. Statistics only come from running a choice, so one that has not run at
@@ -135,6 +135,7 @@ class ModePolicy:
     probe: str = ""  # the choice being explored, and the round its probe ends at
     probe_until: int = 0
     last_run: dict = field(default_factory=dict)  # (choice, bucket) -> round it last ran at
+    trace: object = None  # callable(dict): every decision and measurement, for offline study (SSD_POLICY_TRACE)
     _round: Decision | None = None  # this round's decision, shared by every sequence asking in it
     _asked: set = field(default_factory=set)  # sequences that asked in this round
 
@@ -206,6 +207,9 @@ class ModePolicy:
         predicted = self.model_rates(batch, k, budget)[choice]
         if predicted > 0:
             ratio = min(max(tokens / seconds / predicted, 0.1), 10.0)
+            if self.trace:
+                self.trace({"ev": "round", "choice": choice, "batch": batch, "k": k, "budget": budget,
+                            "tokens": tokens, "s": round(seconds, 4), "predicted": round(predicted, 3)})
             self._calib(choice, _bucket(batch)).update(ratio)
             self._calib(choice, None).update(ratio)
 
@@ -240,6 +244,13 @@ class ModePolicy:
         self.rounds += 1
         bk = _bucket(batch)
         rates = self.rates(batch, k, budget)
+        d = self._next_decision(batch, bk, rates, allowed)
+        if self.trace:
+            self.trace({"ev": "decide", "round": self.rounds, "batch": batch, "k": k, "budget": budget,
+                        "choice": d.choice, "reason": d.reason, "rates": {c: round(r, 3) for c, r in rates.items()}})
+        return d
+
+    def _next_decision(self, batch: int, bk: int, rates: dict, allowed: tuple[str, ...]) -> Decision:
         if self.probe in allowed and self.rounds < self.probe_until:
             return self._ran(_decision(self.probe, "explore", rates), bk)
         top = max(rates[c] for c in allowed)
@@ -294,7 +305,10 @@ class ModePolicy:
 
 
 def _bucket(batch: int) -> int:
-    return int(math.log2(max(batch, 1)))
+    """Batch sizes 1 | 2 | 3-5 | 6-11 | 12-22 | ...: centred on powers of two, because load comes in
+    them (16 users keep 15-16 sequences decoding; with floor(log2) buckets they straddled two, and
+    each was probed and calibrated on its own: measured, 14% of a 16-user run went to probes)."""
+    return round(math.log2(max(batch, 1)))
 
 
 def _decision(choice: str, reason: str, rates: dict | None = None) -> Decision:

@@ -133,7 +133,7 @@ class Generation:
             self.shared.prefilling += 1
             self.shared.prefill_epoch += 1
             try:
-                first = await self.c.verify(self._verify(self.prompt, []))
+                first, _ = await asyncio.gather(self.c.verify(self._verify(self.prompt, [])), self._warm_drafter())
             finally:
                 self.shared.prefilling -= 1
                 self.shared.prefill_epoch += 1
@@ -167,6 +167,18 @@ class Generation:
         return out[:n]
 
     # -- drafting ----------------------------------------------------------------------------------
+    async def _warm_drafter(self) -> None:
+        """The drafter prefills the prompt on its own core while the target prefills it on its
+        own. Left to the first draft or speculation, that prefill stalled a whole batch's round
+        on the drafter (every request joining a 16-user batch). A failure here is left for those
+        calls to meet (and degrade on)."""
+        if self.cfg.mode == "ar" or not self.drafter_ok:
+            return
+        try:
+            await self.c.draft(DraftCall(self.seq_id, self.prompt, 0, self.params, self.seed, 0))
+        except Exception:  # noqa: BLE001
+            pass
+
     def _degrade(self, what: str, err: Exception) -> None:
         """A drafter failure costs speed, never correctness: drafts come from the n-gram backup
         (or nothing) from now on; the target alone decides every token either way."""

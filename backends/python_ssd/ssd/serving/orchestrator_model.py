@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import time
 import uuid
 
 import numpy as np
@@ -44,6 +46,11 @@ class OrchestratorModel:
             raise ValueError(f"parameter force_mode must be '' or one of {CHOICES}, got {force_mode!r}")
         self.shared = SharedState(policy=ModePolicy(forced_backup=forced or None, forced_mode=force_mode or None),
                                   max_verify_rows=int(_p(params, "max_verify_rows", "32")))
+        trace = os.environ.get("SSD_POLICY_TRACE")
+        if trace:  # one JSON line per policy decision and per measured round
+            self._trace_file = open(trace, "a", buffering=1)
+            self.shared.policy.trace = lambda ev: self._trace_file.write(
+                json.dumps({"t": round(time.time(), 3), **ev}) + "\n")
         self.default_max_tokens = int(_p(params, "default_max_tokens", "128"))
         self.max_tokens_limit = int(_p(params, "max_tokens_limit", "2048"))
         self.max_seq_len = int(_p(params, "max_seq_len", "4096"))
@@ -121,7 +128,9 @@ class OrchestratorModel:
             stats["b_star"] = pol.b_star(dc.k, dc.fanout_budget)
             # counters first: a client that reads /metrics right after its response sees itself
             self.metrics.request_done(req.decode.mode, status, stats, stats["b_star"])
-            self.metrics.policy_state(pol.current, pol.rates(max(self.active, 1), dc.k, dc.fanout_budget)
+            k_now = self.shared.round_k(dc.k)
+            self.metrics.policy_state(pol.current, pol.rates(max(self.active, 1), k_now,
+                                                             pol.tree_budget(self.active, k_now, dc.fanout_budget))
                                       if pol.target.known and pol.drafter.known else {})
             if status == "cancelled":
                 sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

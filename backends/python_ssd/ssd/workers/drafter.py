@@ -38,6 +38,11 @@ class DrafterWorker:
 
     # -- plain drafting: K autoregressive steps, all sequences batched per step -------------------
     def draft(self, calls: list[DraftCall]) -> list[DraftResult]:
+        """K tokens per call; a call with k = 0 only brings the sequence's cache up to its tokens
+        (a new request's prompt, sent while the target prefills it)."""
+        warm = [ExtendCall(c.seq_id, list(c.tokens), 1) for c in calls if c.k == 0 and c.tokens]
+        if warm:
+            self.engine.extend(warm)
         seqs = [list(c.tokens) for c in calls]
         toks: list[list[int]] = [[] for _ in calls]
         rows: list[list[torch.Tensor]] = [[] for _ in calls]
