@@ -82,6 +82,11 @@ def test_cost_model_is_flat_then_linear():
     assert abs(cost(256) - 2.0) < 1e-9  # beyond: linear in rows
     cost.observe(9, 0.3)  # same bucket as 8: a running mean, not a new point
     assert len(cost.buckets) == 2 and 0.1 < cost(8.2) < 0.3
+    small = StepCost()
+    small.observe(1, 0.08)
+    small.observe(2, 0.1)
+    # beyond only small forwards: weight-bound up to flat_rows, then linear from there
+    assert small(5) == small(32) == 0.1 and abs(small(64) - 0.2) < 1e-9
 
 
 def test_policy_steps_aside_as_batch_grows():
@@ -161,12 +166,18 @@ def test_policy_calibrates_each_choice_and_batch_size_from_measured_rounds():
     # batch 5 shares the 3-5 bucket; batch 16 has no rounds of its own yet: the choice's overall factor
     assert abs(pol.factor("sd", 5) - 0.5) < 1e-6 and abs(pol.factor("sd", 16) - 0.5) < 1e-6
     model16 = pol.model_rates(16, 4, 8)
-    for _ in range(30):  # at batch 16 SD runs as predicted
+    for _ in range(16):  # one round at batch 16 (16 sequences report it): not measured there yet
+        pol.observe_round("sd", 3, 3 / model16["sd"], 16, 4, 8)
+    assert abs(pol.factor("sd", 16) - 0.5) < 1e-6
+    for _ in range(16 * 30):  # 30 rounds at batch 16 where SD runs as predicted
         pol.observe_round("sd", 3, 3 / model16["sd"], 16, 4, 8)
     assert abs(pol.factor("sd", 16) - 1.0) < 1e-6 and abs(pol.factor("sd", 4) - 0.5) < 1e-6
+    for _ in range(16):  # one slow round, reported by all 16 sequences, weighs one round
+        pol.observe_round("sd", 3, 3 / (0.25 * model16["sd"]), 16, 4, 8)
+    assert 0.9 < pol.factor("sd", 16) < 1.0
     for _ in range(30):  # SSD measured at batch 1 only (where it shines) and at batch 8
         pol.observe_round("ssd+fast", 3, 3 / (2.0 * pol.model_rates(1, 4, 8)["ssd+fast"]), 1, 4, 8)
-    for _ in range(5):
+    for _ in range(8 * 3):  # 3 rounds at batch 8
         pol.observe_round("ssd+fast", 3, 3 / (0.6 * pol.model_rates(8, 4, 8)["ssd+fast"]), 8, 4, 8)
     # batch 16 has no SSD rounds: batch 8's factor, not the overall one that batch 1 dominates
     assert abs(pol.factor("ssd+fast", 16) - 0.6) < 1e-6 and pol.factor("ssd+fast", 2) > 1.5
@@ -194,10 +205,12 @@ def test_policy_explores_choices_it_has_not_measured():
         seen.append(d)
         pol.observe_round(d.choice, 3, 3 / pol.model_rates(1, 4, 8)[d.choice], 1, 4, 8)  # as predicted
     explored = [d.choice for d in seen if d.reason == "explore"]
-    # every choice the policy does not run got tried, except AR: even 1.5x its prediction is far off
-    assert set(explored) == {"sd", "ssd+fast"}
+    # every choice the policy does not run got tried until it had 2 measured rounds, except AR: once
+    # it was measured (its one probe as a choice that never ran), even 1.5x its prediction is far off
+    assert set(explored) == {"sd", "ssd+fast", "ar"}
     assert pol.rates(1, 4, 8)["ar"] * pol.explore_margin < max(pol.rates(1, 4, 8).values())
-    assert all(explored.count(c) >= 3 for c in set(explored))  # until it has 3 measurements
+    assert explored.count("ar") == pol.probe_rounds  # one probe
+    assert all(explored.count(c) >= 3 for c in ("sd", "ssd+fast"))
     assert len(explored) < 0.1 * len(seen)  # and then only now and then
     assert all(d.choice == "ssd+neural" for d in seen if d.reason == "policy")
 

@@ -29,15 +29,17 @@ E_miss(fast) is measured for free: after each round we score what the n-gram loo
 proposed; until SSD has run, E_hit is taken as E_sd (a cached branch is what SD would have drafted).
 The formulas count forward time only; what they miss (Python, BLS, sampling, two engines sharing
 memory bandwidth) is learned as a calibration factor per choice and batch-size bucket (1, 2,
-3-5, 6-11, 12-22, ...): measured tokens/s over predicted, from the rounds that choice ran at that batch size
-(the nearest smaller bucket's until a bucket has 3 rounds, else the factor over all sizes; rounds that another request's
-prefill overlapped are left out by the caller). So the formulas extrapolate and the measurements
-decide. Statistics only come from running a choice, so one that has not run at
+3-5, 6-11, 12-22, ...): measured tokens/s over predicted, from the rounds that choice ran at that
+batch size, each round weighing one sample however many sequences report it (the nearest smaller
+bucket's until a bucket has 2 rounds, else the factor over all sizes). The caller leaves out
+rounds that another request's prefill overlapped and the first round after a change of choice
+(it pays for the switch: the drafter catching up, no cached draft). So the formulas extrapolate
+and the measurements decide. Statistics only come from running a choice, so one that has not run at
 this batch size for a while gets a probe (``explore``): every sequence runs it for the next 2
 rounds, so it is measured the way it would run (a lone SSD round among SD rounds would stall the
-drafter for the whole batch); 1 probe per 8 rounds while the choice has fewer than 3 measurements
+drafter for the whole batch); 1 probe per 8 rounds while the choice has fewer than 2 measured rounds
 there, 1 per 256 after, never while even ``explore_margin`` times its prediction stays below the
-best one, and no more often than its price allows (a probe of a choice predicted at 70% of the
+best one (a choice that never ran anywhere gets one probe whatever it predicts), and no more often than its price allows (a probe of a choice predicted at 70% of the
 best gives up 0.6 rounds; probes may spend 3% of the rounds). A new choice must predict
 ``hysteresis`` more than the current one, and a choice stays at least ``min_dwell`` rounds: every
 switch into SSD costs a round without a cached draft, so flapping on noise would cost more than it
@@ -51,18 +53,20 @@ from dataclasses import dataclass, field
 from .cost_model import StepCost
 
 CHOICES = ("ssd+neural", "ssd+fast", "sd", "ar")
+MEASURED = 2  # rounds of calibration after which a choice counts as measured at a batch size
 
 
 @dataclass
 class Ema:
     value: float
     alpha: float = 0.1
-    count: int = 0
+    count: float = 0  # total weight seen
 
-    def update(self, x: float) -> None:
-        # a plain mean over the first 1/alpha samples, so the prior is forgotten quickly
-        self.count += 1
-        a = max(self.alpha, 1.0 / self.count)
+    def update(self, x: float, weight: float = 1.0) -> None:
+        # a weighted mean over the first 1/alpha of weight, so the prior is forgotten quickly; then
+        # each unit of weight moves the value by alpha
+        self.count += weight
+        a = min(1.0, max(self.alpha * weight, weight / self.count))
         self.value = (1 - a) * self.value + a * x
 
 
@@ -124,7 +128,7 @@ class ModePolicy:
     drafter: StepCost = field(default_factory=StepCost)
     calib: dict = field(default_factory=dict)  # (choice, bucket or None for all sizes) -> Ema
     current: str = "ssd+neural"
-    explore_new: int = 8  # rounds between tries of a choice with < 3 calibration samples
+    explore_new: int = 8  # rounds between tries of a choice with < MEASURED rounds of calibration
     explore_every: int = 256  # ... and of one measured before
     explore_margin: float = 1.5
     explore_budget: float = 0.03  # share of the rounds that probes may give up (see _probe_due)
@@ -187,12 +191,12 @@ class ModePolicy:
         return self.calib.setdefault((choice, bucket), Ema(1.0, alpha=0.05))
 
     def factor(self, choice: str, batch: int) -> float:
-        """The choice's calibration at this batch-size bucket; until it has 3 rounds, that of the
+        """The choice's calibration at this batch-size bucket; until it has 2 rounds, that of the
         nearest smaller bucket that has (batch 8's reality is closer to batch 16's than batch 1's,
         where SSD runs best), else the factor over all sizes."""
         for bucket in range(_bucket(batch), -1, -1):
             here = self.calib.get((choice, bucket))
-            if here is not None and here.count >= 3:
+            if here is not None and here.count >= MEASURED:
                 return here.value
         return self._calib(choice, None).value
 
@@ -207,11 +211,14 @@ class ModePolicy:
         predicted = self.model_rates(batch, k, budget)[choice]
         if predicted > 0:
             ratio = min(max(tokens / seconds / predicted, 0.1), 10.0)
+            # every sequence of the batch reports the same round: together they weigh one round
+            # (one sample each let a single slow round at 16 users move the factor by 56%)
+            w = 1.0 / max(batch, 1)
             if self.trace:
                 self.trace({"ev": "round", "choice": choice, "batch": batch, "k": k, "budget": budget,
                             "tokens": tokens, "s": round(seconds, 4), "predicted": round(predicted, 3)})
-            self._calib(choice, _bucket(batch)).update(ratio)
-            self._calib(choice, None).update(ratio)
+            self._calib(choice, _bucket(batch)).update(ratio, w)
+            self._calib(choice, None).update(ratio, w)
 
     def choose(self, batch: int, k: int, budget: int, allowed: tuple[str, ...] = CHOICES,
                seq: str | None = None) -> Decision:
@@ -247,7 +254,13 @@ class ModePolicy:
         d = self._next_decision(batch, bk, rates, allowed)
         if self.trace:
             self.trace({"ev": "decide", "round": self.rounds, "batch": batch, "k": k, "budget": budget,
-                        "choice": d.choice, "reason": d.reason, "rates": {c: round(r, 3) for c, r in rates.items()}})
+                        "choice": d.choice, "reason": d.reason, "rates": {c: round(r, 3) for c, r in rates.items()},
+                        "model": {c: round(r, 3) for c, r in self.model_rates(batch, k, budget).items()},
+                        "p": {s: round(e.value, 3) for s, e in self.p_hit.items()},
+                        "alpha": {"hit": round(self.e_hit.alpha, 3), "neural": round(self.e_miss["neural"].alpha, 3),
+                                  "fast": round(self.e_miss["fast"].alpha, 3)},
+                        "T_t": [round(self.target(r), 4) for r in (batch, batch * (k + 1))],
+                        "T_d": [round(self.drafter(r), 4) for r in (1, batch, batch * (k + 1), batch * budget)]})
         return d
 
     def _next_decision(self, batch: int, bk: int, rates: dict, allowed: tuple[str, ...]) -> Decision:
@@ -270,17 +283,24 @@ class ModePolicy:
 
     def _probe_due(self, choice: str, bucket: int, rate: float, top: float, others: int) -> bool:
         """Whether ``choice`` should be measured again at this batch size. Not while even
-        ``explore_margin`` times its prediction stays below the best; otherwise after
-        ``explore_new`` rounds (fewer than 3 measurements) or ``explore_every`` rounds, and no
+        ``explore_margin`` times its prediction stays below the best (unless it never ran at all:
+        then once, at no price); otherwise after
+        ``explore_new`` rounds (fewer than 2 measured rounds) or ``explore_every`` rounds, and no
         sooner than its price allows: a probe gives up ``probe_rounds * (1 - rate / top)`` rounds
         of the best choice (cheap when it is nearly as good, dear at a large batch where SD's
         verify rows cost several AR steps), and the probes of all ``others`` choices together may
         spend ``explore_budget`` of the rounds."""
-        if rate * self.explore_margin < top or choice == self.current:
+        if choice == self.current:
             return False
-        measured = self._calib(choice, bucket).count >= 3
+        # never run at any batch size: its prediction is the formula alone, which can be far off
+        # (measured after AR and SD runs: SSD predicted at 0.47x SD at batch 1, where it runs 1.3x),
+        # so it gets one probe at the usual spacing whatever it predicts
+        never = self._calib(choice, None).count == 0
+        if rate * self.explore_margin < top and not never:
+            return False
+        measured = self._calib(choice, bucket).count >= MEASURED
         since = self.rounds - self.last_run.get((choice, bucket), 0)
-        price = self.probe_rounds * max(0.0, 1.0 - rate / top) * others / self.explore_budget
+        price = 0.0 if never else self.probe_rounds * max(0.0, 1.0 - rate / top) * others / self.explore_budget
         return since >= max(self.explore_every if measured else self.explore_new, price)
 
     def _ran(self, d: "Decision", bucket: int) -> "Decision":

@@ -118,6 +118,7 @@ class Generation:
         self.round = 0
         self.k = cfg.k  # this round's draft length (SharedState.round_k)
         self.drafter_ok = True
+        self.last_choice = ""  # the policy's choice for the previous round
 
     def _verify(self, prefix, draft, probs=None) -> VerifyCall:
         return VerifyCall(self.seq_id, prefix, draft, self.params, self.seed, self.round, probs)
@@ -287,7 +288,12 @@ class Generation:
                 self.stats.misses += not hit
             self.round += 1
             prefix = prefix + block
-            if mark is not None and mark == self.shared.prefill_mark():  # no prefill overlapped it
+            # A round right after a change of choice pays for the change (the drafter catches up on
+            # the tokens of the rounds it sat out; SSD's first round has no cached draft): it says
+            # what switching costs, not what the choice yields, so it does not calibrate either.
+            # Neither does a round that another request's prefill overlapped.
+            settled, self.last_choice = d.choice == self.last_choice, d.choice
+            if settled and mark is not None and mark == self.shared.prefill_mark():
                 pol.observe_round(d.choice, len(block), time.perf_counter() - t_round, self.shared.active, self.k,
                                   budget)
             yield block
