@@ -183,6 +183,21 @@ def test_policy_calibrates_each_choice_and_batch_size_from_measured_rounds():
     assert abs(pol.factor("ssd+fast", 16) - 0.6) < 1e-6 and pol.factor("ssd+fast", 2) > 1.5
 
 
+def test_a_measured_choice_keeps_its_rate_when_the_cost_curve_moves():
+    """Once AR has rounds of its own at a batch size, its rate there is what it measured: other
+    choices' forwards moving the target's cost curve (contention beside the drafter) must not
+    move it. Where it has none, the formula still follows the curve."""
+    pol = _policy()
+    for _ in range(8 * 3):  # 3 rounds at batch 8: one token in 0.3 s
+        pol.observe_round("ar", 1, 0.3, 8, 4, 8)
+    assert abs(pol.rates(8, 4, 8)["ar"] - 1 / 0.3) < 1e-6
+    before = pol.rates(32, 4, 8)["ar"]
+    for _ in range(50):  # the target's forwards get slower (SD rounds beside the drafter)
+        pol.observe_timing("target", [[8, 0.6], [32, 2.0]])
+    assert abs(pol.rates(8, 4, 8)["ar"] - 1 / 0.3) < 1e-6
+    assert pol.rates(32, 4, 8)["ar"] < 0.8 * before
+
+
 def test_policy_dwells_before_switching_again():
     pol = _policy()
     pol.min_dwell = 16

@@ -71,6 +71,27 @@ class Ema:
 
 
 @dataclass
+class Measured:
+    """A choice's own record at one batch-size bucket: running means of tokens and of seconds per
+    round (their ratio, not a mean of ratios, so a slow round weighs by its length)."""
+
+    tokens: Ema = field(default_factory=lambda: Ema(0.0, alpha=0.05))
+    seconds: Ema = field(default_factory=lambda: Ema(1.0, alpha=0.05))
+
+    def update(self, tokens: float, seconds: float, weight: float) -> None:
+        self.tokens.update(tokens, weight)
+        self.seconds.update(seconds, weight)
+
+    @property
+    def count(self) -> float:
+        return self.tokens.count
+
+    @property
+    def rate(self) -> float:
+        return self.tokens.value / max(self.seconds.value, 1e-9)
+
+
+@dataclass
 class Acceptance:
     """How far a draft source's drafts get accepted, as a per-position acceptance rate alpha, so
     the tokens a round yields can be predicted for any K: E(K) = 1 + alpha + ... + alpha^K. (A
@@ -127,6 +148,7 @@ class ModePolicy:
     target: StepCost = field(default_factory=StepCost)
     drafter: StepCost = field(default_factory=StepCost)
     calib: dict = field(default_factory=dict)  # (choice, bucket or None for all sizes) -> Ema
+    measured: dict = field(default_factory=dict)  # (choice, bucket) -> Measured
     current: str = "ssd+neural"
     explore_new: int = 8  # rounds between tries of a choice with < MEASURED rounds of calibration
     explore_every: int = 256  # ... and of one measured before
@@ -201,8 +223,16 @@ class ModePolicy:
         return self._calib(choice, None).value
 
     def rates(self, batch: int, k: int, budget: int) -> dict[str, float]:
-        """Predicted tokens/s per sequence for each choice, calibrated by what each one measured."""
-        return {c: r * self.factor(c, batch) for c, r in self.model_rates(batch, k, budget).items()}
+        """Predicted tokens/s per sequence for each choice: what it measured at this batch-size
+        bucket, once it has ``MEASURED`` rounds there; else the formula times its calibration.
+        (Formula times factor at a measured bucket let one choice's rounds move another's rate:
+        SD rounds beside the drafter slowed the target's 8-row forwards, the cost curve rose, and
+        AR's rate at 8 users fell from 3.3 to 2.2 tokens/s without a single AR round.)"""
+        bk, out = _bucket(batch), {}
+        for c, r in self.model_rates(batch, k, budget).items():
+            m = self.measured.get((c, bk))
+            out[c] = m.rate if m is not None and m.count >= MEASURED else r * self.factor(c, batch)
+        return out
 
     def observe_round(self, choice: str, tokens: int, seconds: float, batch: int, k: int, budget: int) -> None:
         """A round that ran ``choice`` produced ``tokens`` in ``seconds``: calibrate its prediction."""
@@ -218,6 +248,7 @@ class ModePolicy:
                 self.trace({"ev": "round", "choice": choice, "batch": batch, "k": k, "budget": budget,
                             "tokens": tokens, "s": round(seconds, 4), "predicted": round(predicted, 3)})
             self._calib(choice, _bucket(batch)).update(ratio, w)
+            self.measured.setdefault((choice, _bucket(batch)), Measured()).update(tokens, seconds, w)
             self._calib(choice, None).update(ratio, w)
 
     def choose(self, batch: int, k: int, budget: int, allowed: tuple[str, ...] = CHOICES,
