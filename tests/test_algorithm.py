@@ -198,6 +198,25 @@ def test_a_measured_choice_keeps_its_rate_when_the_cost_curve_moves():
     assert pol.rates(32, 4, 8)["ar"] < 0.8 * before
 
 
+def test_probes_are_priced_by_how_long_their_rounds_take():
+    """A probe gives up time, not rounds: a choice whose rounds take 3x the current one's (SSD
+    beside AR at 8 users) waits 3x as many rounds between probes."""
+    def rounds_to_probe(probe_seconds: float) -> int:
+        pol = _policy()
+        pol.explore_new = pol.explore_every = 1  # only the price spaces the probes
+        for _ in range(8 * 3):
+            pol.observe_round("ar", 1, 0.5, 8, 3, 8)  # 2 tokens/s
+            pol.observe_round("sd", 1.4 * probe_seconds, probe_seconds, 8, 3, 8)  # 70% of that
+        pol.current, pol.switched_at = "ar", 0
+        for n in range(1, 5000):
+            if pol.choose(8, 3, 8, allowed=("ar", "sd")).reason == "explore":
+                return n
+        return 5000
+
+    short, long = rounds_to_probe(0.5), rounds_to_probe(1.5)
+    assert 2.5 * short < long < 3.5 * short
+
+
 def test_policy_dwells_before_switching_again():
     pol = _policy()
     pol.min_dwell = 16

@@ -40,7 +40,8 @@ rounds, so it is measured the way it would run (a lone SSD round among SD rounds
 drafter for the whole batch); 1 probe per 8 rounds while the choice has fewer than 2 measured rounds
 there, 1 per 256 after, never while even ``explore_margin`` times its prediction stays below the
 best one (a choice that never ran anywhere gets one probe whatever it predicts), and no more often than its price allows (a probe of a choice predicted at 70% of the
-best gives up 0.6 rounds; probes may spend 3% of the rounds). A new choice must predict
+best gives up 0.6 of its rounds, each as long as that choice's rounds measured, in units of the
+current choice's rounds; probes may spend 3% of the time). A new choice must predict
 ``hysteresis`` more than the current one, and a choice stays at least ``min_dwell`` rounds: every
 switch into SSD costs a round without a cached draft, so flapping on noise would cost more than it
 gains. Decisions are made once per round of the whole batch (``choose``), not per sequence.
@@ -331,8 +332,22 @@ class ModePolicy:
             return False
         measured = self._calib(choice, bucket).count >= MEASURED
         since = self.rounds - self.last_run.get((choice, bucket), 0)
-        price = 0.0 if never else self.probe_rounds * max(0.0, 1.0 - rate / top) * others / self.explore_budget
+        # priced in time, not rounds: at 8 users an SSD probe round took 1.8 s against AR's 0.5 s,
+        # and probes priced per round took 16% of a load-test cell
+        mine, best = self._round_seconds(choice, bucket), self._round_seconds(self.current, bucket)
+        longer = mine / best if mine and best else 1.0
+        price = 0.0 if never else (self.probe_rounds * longer * max(0.0, 1.0 - rate / top) * others
+                                   / self.explore_budget)
         return since >= max(self.explore_every if measured else self.explore_new, price)
+
+    def _round_seconds(self, choice: str, bucket: int) -> float | None:
+        """Measured seconds per round of ``choice`` at this bucket or the nearest smaller one that
+        has any (None: never measured; probes then count in rounds)."""
+        for b in range(bucket, -1, -1):
+            m = self.measured.get((choice, b))
+            if m is not None and m.count > 0:
+                return max(m.seconds.value, 1e-6)
+        return None
 
     def _ran(self, d: "Decision", bucket: int) -> "Decision":
         self.last_run[(d.choice, bucket)] = self.rounds
