@@ -217,11 +217,13 @@ class ModePolicy:
         """The choice's calibration at this batch-size bucket; until it has 2 rounds, that of the
         nearest smaller bucket that has (batch 8's reality is closer to batch 16's than batch 1's,
         where SSD runs best), else the factor over all sizes."""
-        for bucket in range(_bucket(batch), -1, -1):
-            here = self.calib.get((choice, bucket))
-            if here is not None and here.count >= MEASURED:
-                return here.value
-        return self._calib(choice, None).value
+        here = _nearest(self.calib, choice, _bucket(batch), MEASURED)
+        return here.value if here is not None else self._calib(choice, None).value
+
+    def _measured_here(self, choice: str, bucket: int) -> "Measured | None":
+        """The choice's own record at this bucket, once it has ``MEASURED`` rounds there."""
+        m = self.measured.get((choice, bucket))
+        return m if m is not None and m.count >= MEASURED else None
 
     def rates(self, batch: int, k: int, budget: int) -> dict[str, float]:
         """Predicted tokens/s per sequence for each choice: what it measured at this batch-size
@@ -231,8 +233,8 @@ class ModePolicy:
         AR's rate at 8 users fell from 3.3 to 2.2 tokens/s without a single AR round.)"""
         bk, out = _bucket(batch), {}
         for c, r in self.model_rates(batch, k, budget).items():
-            m = self.measured.get((c, bk))
-            out[c] = m.rate if m is not None and m.count >= MEASURED else r * self.factor(c, batch)
+            m = self._measured_here(c, bk)
+            out[c] = m.rate if m is not None else r * self.factor(c, batch)
         return out
 
     def observe_round(self, choice: str, tokens: int, seconds: float, batch: int, k: int, budget: int) -> None:
@@ -330,7 +332,7 @@ class ModePolicy:
         never = self._calib(choice, None).count == 0
         if rate * self.explore_margin < top and not never:
             return False
-        measured = self._calib(choice, bucket).count >= MEASURED
+        measured = self._measured_here(choice, bucket) is not None
         since = self.rounds - self.last_run.get((choice, bucket), 0)
         # priced in time, not rounds: at 8 users an SSD probe round took 1.8 s against AR's 0.5 s,
         # and probes priced per round took 16% of a load-test cell
@@ -343,11 +345,8 @@ class ModePolicy:
     def _round_seconds(self, choice: str, bucket: int) -> float | None:
         """Measured seconds per round of ``choice`` at this bucket or the nearest smaller one that
         has any (None: never measured; probes then count in rounds)."""
-        for b in range(bucket, -1, -1):
-            m = self.measured.get((choice, b))
-            if m is not None and m.count > 0:
-                return max(m.seconds.value, 1e-6)
-        return None
+        m = _nearest(self.measured, choice, bucket, 0.0)
+        return max(m.seconds.value, 1e-6) if m is not None else None
 
     def _ran(self, d: "Decision", bucket: int) -> "Decision":
         self.last_run[(d.choice, bucket)] = self.rounds
@@ -373,8 +372,18 @@ class ModePolicy:
 def _bucket(batch: int) -> int:
     """Batch sizes 1 | 2 | 3-5 | 6-11 | 12-22 | ...: centred on powers of two, because load comes in
     them (16 users keep 15-16 sequences decoding; with floor(log2) buckets they straddled two, and
-    each was probed and calibrated on its own: measured, 14% of a 16-user run went to probes)."""
+    each was probed and calibrated on its own: traced, 22% of a 16-user run's time went to probes)."""
     return round(math.log2(max(batch, 1)))
+
+
+def _nearest(table: dict, choice: str, bucket: int, least: float):
+    """``table[(choice, b)]`` for this bucket or the nearest smaller one whose weight is above 0
+    and at least ``least`` (batch 8's reality is closer to batch 16's than batch 1's); else None."""
+    for b in range(bucket, -1, -1):
+        entry = table.get((choice, b))
+        if entry is not None and entry.count > 0 and entry.count >= least:
+            return entry
+    return None
 
 
 def _decision(choice: str, reason: str, rates: dict | None = None) -> Decision:

@@ -47,6 +47,7 @@ class OrchestratorModel:
         self.shared = SharedState(policy=ModePolicy(forced_backup=forced or None, forced_mode=force_mode or None),
                                   max_verify_rows=int(_p(params, "max_verify_rows", "32")))
         trace = os.environ.get("SSD_POLICY_TRACE")
+        self._trace_file = None
         if trace:  # one JSON line per policy decision and per measured round
             self._trace_file = open(trace, "a", buffering=1)
             self.shared.policy.trace = lambda ev: self._trace_file.write(
@@ -148,4 +149,5 @@ class OrchestratorModel:
             await self.client.release(seq_id)
 
     def finalize(self):
-        pass
+        if self._trace_file is not None:
+            self._trace_file.close()
