@@ -217,6 +217,67 @@ def test_probes_are_priced_by_how_long_their_rounds_take():
     assert 2.5 * short < long < 3.5 * short
 
 
+def _measure(pol: ModePolicy, choice: str, rate: float, batch: int, rounds: int = 3) -> None:
+    """``rounds`` rounds of ``choice`` at ``batch`` sequences, each at ``rate`` tokens/s per sequence."""
+    for _ in range(rounds * batch):
+        pol.observe_round(choice, 2, 2 / rate, batch, 4, 8)
+
+
+def test_a_choice_beaten_at_a_smaller_batch_is_neither_probed_nor_chosen_at_a_larger_one():
+    """The step-aside ladder: what SD beat at 4 sequences stays beaten at 8, so SSD is not probed
+    there (each probe and the dwell after an optimistic one cost a load-test cell 20-35%)."""
+    def run(pol: ModePolicy) -> list:
+        pol.explore_new, pol.explore_every, pol.explore_margin = 8, 256, 10.0
+        seen = []
+        for _ in range(200):
+            d = pol.choose(8, 4, 8)
+            seen.append(d)
+            pol.observe_round(d.choice, 2, 2 / pol.rates(8, 4, 8)[d.choice], 8, 4, 8)
+        return seen
+
+    pol = _policy()
+    for c, rate in (("ssd+neural", 2.0), ("ssd+fast", 2.1), ("sd", 3.0), ("ar", 2.5)):
+        _measure(pol, c, rate, 4)  # at batch 4 SD beat both SSD choices by far
+    pol.current = "ssd+neural"
+    seen = run(pol)
+    assert not any(d.choice.startswith("ssd") for d in seen)  # left at once, never probed
+    assert {d.choice for d in seen} == {"sd", "ar"}  # the others are still measured and compared
+    close = _policy()  # within the hysteresis at batch 4: not beaten, still probed at batch 8
+    for c, rate in (("ssd+neural", 2.9), ("ssd+fast", 2.8), ("sd", 3.0), ("ar", 2.5)):
+        _measure(close, c, rate, 4)
+    assert {"ssd+neural", "ssd+fast"} <= {d.choice for d in run(close) if d.reason == "explore"}
+    mine = _policy()  # and a record of its own at this batch size outranks the smaller one's verdict
+    for c, rate in (("ssd+neural", 2.0), ("sd", 3.0)):
+        _measure(mine, c, rate, 4)
+    _measure(mine, "ssd+neural", 9.0, 8)
+    assert mine.choose(8, 4, 8, allowed=("ssd+neural", "sd")).choice == "ssd+neural"
+
+
+def test_a_stale_record_is_measured_again_before_the_batch_moves_to_it():
+    """A machine that slows down shows in the running choice's record alone: the batch moves to a
+    choice whose record is old only after a probe confirms it, and that probe's rounds outweigh
+    the old ones."""
+    def setup() -> ModePolicy:
+        pol = _policy()
+        pol.hysteresis = 0.1
+        _measure(pol, "sd", 2.6, 8, rounds=20)
+        _measure(pol, "ar", 2.8, 8, rounds=20)
+        pol.current = "ar"
+        for _ in range(pol.stale_after + 1):  # AR runs on; SD's record ages
+            assert pol.choose(8, 4, 8, allowed=("ar", "sd")).choice == "ar"
+        _measure(pol, "ar", 2.0, 8, rounds=20)  # everything slows down; only AR sees it
+        return pol
+
+    for sd_now, after in ((1.9, "ar"), (3.0, "sd")):
+        pol = setup()
+        assert pol.rates(8, 4, 8)["sd"] > 1.1 * pol.rates(8, 4, 8)["ar"]
+        probe = [pol.choose(8, 4, 8, allowed=("ar", "sd")) for _ in range(pol.probe_rounds)]
+        assert [(d.choice, d.reason) for d in probe] == [("sd", "confirm")] * pol.probe_rounds
+        _measure(pol, "sd", sd_now, 8, rounds=1)  # the probe's measured round
+        assert abs(pol.rates(8, 4, 8)["sd"] - sd_now) < 0.5 * abs(2.6 - sd_now)  # it outweighs the old ones
+        assert pol.choose(8, 4, 8, allowed=("ar", "sd")).choice == after
+
+
 def test_policy_dwells_before_switching_again():
     pol = _policy()
     pol.min_dwell = 16
@@ -360,7 +421,7 @@ def test_round_k_keeps_verify_rows_within_max_verify_rows():
 def test_acceptance_predicts_tokens_per_round_at_any_k():
     """Learned from rounds of K = 4, the acceptance predicts rounds of K = 1 too (a round capped to
     K = 1 yields at most 2 tokens, not the 3.4 of K = 4)."""
-    from ssd.algorithm.policy import Acceptance
+    from ssd.algorithm.estimators import Acceptance
 
     g = torch.Generator().manual_seed(0)
     acc, alpha, seen = Acceptance(0.3), 0.8, []

@@ -44,7 +44,12 @@ best gives up 0.6 of its rounds, each as long as that choice's rounds measured, 
 current choice's rounds; probes may spend 3% of the time). A new choice must predict
 ``hysteresis`` more than the current one, and a choice stays at least ``min_dwell`` rounds: every
 switch into SSD costs a round without a cached draft, so flapping on noise would cost more than it
-gains. Decisions are made once per round of the whole batch (``choose``), not per sequence.
+gains. Two rules keep stale or borrowed evidence from moving the batch: the step-aside ladder (a
+choice that a later one in CHOICES beat, by more than the hysteresis, at the nearest smaller batch
+size where it was measured is neither probed nor chosen at a larger one, until it has a record
+there) and confirmation (a switch to a choice whose record here is ``stale_after`` rounds old waits
+for a probe of it, reason "confirm", whose rounds outweigh the old ones: a machine that slows down
+shows in the running choice's record alone). Decisions are made once per round of the whole batch (``choose``), not per sequence.
 """
 from __future__ import annotations
 
@@ -52,75 +57,10 @@ import math
 from dataclasses import dataclass, field
 
 from .cost_model import StepCost
+from .estimators import Acceptance, Ema, Measured
 
 CHOICES = ("ssd+neural", "ssd+fast", "sd", "ar")
 MEASURED = 2  # rounds of calibration after which a choice counts as measured at a batch size
-
-
-@dataclass
-class Ema:
-    value: float
-    alpha: float = 0.1
-    count: float = 0  # total weight seen
-
-    def update(self, x: float, weight: float = 1.0) -> None:
-        # a weighted mean over the first 1/alpha of weight, so the prior is forgotten quickly; then
-        # each unit of weight moves the value by alpha
-        self.count += weight
-        a = min(1.0, max(self.alpha * weight, weight / self.count))
-        self.value = (1 - a) * self.value + a * x
-
-
-@dataclass
-class Measured:
-    """A choice's own record at one batch-size bucket: running means of tokens and of seconds per
-    round (their ratio, not a mean of ratios, so a slow round weighs by its length)."""
-
-    tokens: Ema = field(default_factory=lambda: Ema(0.0, alpha=0.05))
-    seconds: Ema = field(default_factory=lambda: Ema(1.0, alpha=0.05))
-
-    def update(self, tokens: float, seconds: float, weight: float) -> None:
-        self.tokens.update(tokens, weight)
-        self.seconds.update(seconds, weight)
-
-    @property
-    def count(self) -> float:
-        return self.tokens.count
-
-    @property
-    def rate(self) -> float:
-        return self.tokens.value / max(self.seconds.value, 1e-9)
-
-
-@dataclass
-class Acceptance:
-    """How far a draft source's drafts get accepted, as a per-position acceptance rate alpha, so
-    the tokens a round yields can be predicted for any K: E(K) = 1 + alpha + ... + alpha^K. (A
-    mean of tokens per round would carry K = 4's figure over to a round capped at K = 1, where
-    it is nearly twice too high.) Running means of accepted tokens and of positions tried."""
-
-    alpha: float  # the prior
-    count: int = 0
-    ema: float = 0.05
-    _accepted: float = field(init=False)
-    _tried: float = field(init=False, default=1.0)
-
-    def __post_init__(self) -> None:
-        self._accepted = self.alpha  # the prior, as one round's worth of positions
-
-    def update(self, accepted: int, drafted: int) -> None:
-        """A round drafted ``drafted`` tokens and the target accepted the first ``accepted``."""
-        if drafted <= 0:
-            return
-        self.count += 1
-        a = max(self.ema, 1.0 / (self.count + 1))  # the prior weighs as one round
-        self._accepted += a * (accepted - self._accepted)
-        self._tried += a * (accepted + (accepted < drafted) - self._tried)
-        self.alpha = min(self._accepted / self._tried, 0.999)
-
-    def tokens(self, k: int) -> float:
-        """Expected tokens per round with K = ``k`` (the accepted ones plus the target's own)."""
-        return sum(self.alpha ** i for i in range(k + 1))
 
 
 @dataclass
@@ -156,10 +96,12 @@ class ModePolicy:
     explore_margin: float = 1.5
     explore_budget: float = 0.03  # share of the rounds that probes may give up (see _probe_due)
     probe_rounds: int = 2
+    stale_after: int = 32  # rounds after which a choice's record is re-measured before a switch to it
     tree_slack: float = 0.25  # share of a verify the speculation's extra branches may cost (tree_budget)
     rounds: int = 0  # rounds of the batch so far (one per round, whatever the batch size)
     switched_at: int = -10**9  # round of the last switch (none yet: the first one may come at once)
-    probe: str = ""  # the choice being explored, and the round its probe ends at
+    probe: str = ""  # the choice being probed, why (explore | confirm) and the round its probe ends at
+    probe_reason: str = "explore"
     probe_until: int = 0
     last_run: dict = field(default_factory=dict)  # (choice, bucket) -> round it last ran at
     trace: object = None  # callable(dict): every decision and measurement, for offline study (SSD_POLICY_TRACE)
@@ -251,7 +193,10 @@ class ModePolicy:
                 self.trace({"ev": "round", "choice": choice, "batch": batch, "k": k, "budget": budget,
                             "tokens": tokens, "s": round(seconds, 4), "predicted": round(predicted, 3)})
             self._calib(choice, _bucket(batch)).update(ratio, w)
-            self.measured.setdefault((choice, _bucket(batch)), Measured()).update(tokens, seconds, w)
+            rec = self.measured.setdefault((choice, _bucket(batch)), Measured())
+            if rec.count and self.rounds - rec.last > self.stale_after:
+                rec.forget()  # the machine may have drifted since: this round is news, not noise
+            rec.update(tokens, seconds, w, self.rounds)
             self._calib(choice, None).update(ratio, w)
 
     def choose(self, batch: int, k: int, budget: int, allowed: tuple[str, ...] = CHOICES,
@@ -299,18 +244,22 @@ class ModePolicy:
 
     def _next_decision(self, batch: int, bk: int, rates: dict, allowed: tuple[str, ...]) -> Decision:
         if self.probe in allowed and self.rounds < self.probe_until:
-            return self._ran(_decision(self.probe, "explore", rates), bk)
+            return self._ran(_decision(self.probe, self.probe_reason, rates), bk)
+        allowed = tuple(c for c in allowed if not self._dominated(c, bk)) or allowed
         top = max(rates[c] for c in allowed)
         others = len(allowed) - 1
         stale = [c for c in allowed if self._probe_due(c, bk, rates[c], top, others)]
         if stale:
-            self.probe = min(stale, key=lambda c: self.last_run.get((c, bk), 0))
-            self.probe_until = self.rounds + self.probe_rounds
-            return self._ran(_decision(self.probe, "explore", rates), bk)
+            return self._start_probe(min(stale, key=lambda c: self.last_run.get((c, bk), 0)), "explore", rates, bk)
         best = max(allowed, key=lambda c: rates[c])
         cur = self.current if self.current in allowed else best
         settled = self.rounds - self.switched_at >= self.min_dwell
         if cur != best and (cur not in allowed or settled and rates[best] > rates[cur] * (1 + self.hysteresis)):
+            if cur in allowed and self._stale(best, bk):
+                # its record is old and the current choice's is fresh: a machine that slowed down
+                # shows in the running choice alone (traced at 8 users: AR's rounds went from 0.44
+                # to 0.58 s, SD's 60-s-old record looked better, and SD ran 16 slower rounds)
+                return self._start_probe(best, "confirm", rates, bk)
             cur, self.switched_at = best, self.rounds
         self.current = cur
         return self._ran(_decision(cur, "policy", rates), bk)
@@ -341,6 +290,34 @@ class ModePolicy:
         price = 0.0 if never else (self.probe_rounds * longer * max(0.0, 1.0 - rate / top) * others
                                    / self.explore_budget)
         return since >= max(self.explore_every if measured else self.explore_new, price)
+
+    def _start_probe(self, choice: str, reason: str, rates: dict, bucket: int) -> Decision:
+        self.probe, self.probe_reason, self.probe_until = choice, reason, self.rounds + self.probe_rounds
+        return self._ran(_decision(choice, reason, rates), bucket)
+
+    def _stale(self, choice: str, bucket: int) -> bool:
+        """Measured at this bucket, but not for ``stale_after`` rounds."""
+        m = self._measured_here(choice, bucket)
+        return m is not None and self.rounds - m.last > self.stale_after
+
+    def _dominated(self, choice: str, bucket: int) -> bool:
+        """Whether a choice further down the step-aside ladder (CHOICES: ssd+neural, ssd+fast, sd,
+        ar) beat this one, by more than ``hysteresis``, at the nearest smaller bucket where this
+        one was measured, and this bucket has no record of its own. Each step of the ladder drafts
+        fewer rows per token, so what was beaten at a smaller batch stays beaten at a larger one;
+        such a choice is neither probed nor chosen here. (Traced: at 8 and 16 users the SSD
+        choices' probes and the dwell after an optimistic first measurement cost 20-35% of a cell
+        against AR, where SD had already beaten them at 4 users.)"""
+        if self._measured_here(choice, bucket) is not None:
+            return False
+        later = CHOICES[CHOICES.index(choice) + 1:]
+        for b in range(bucket - 1, -1, -1):
+            mine = self._measured_here(choice, b)
+            if mine is None:
+                continue
+            bar = mine.rate * (1 + self.hysteresis)
+            return any((m := self._measured_here(c, b)) is not None and m.rate > bar for c in later)
+        return False
 
     def _round_seconds(self, choice: str, bucket: int) -> float | None:
         """Measured seconds per round of ``choice`` at this bucket or the nearest smaller one that
