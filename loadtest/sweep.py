@@ -7,7 +7,11 @@ drafter) for quick smoke runs. Each cell runs `locust -f loadtest/locustfile.py 
 --run-time T` (users finish the request in flight, up to --stop-timeout), scrapes /metrics before and
 after, and records requests, failures, output tokens/s, p50/p99 latency, TTFT p50 (StreamUser), and
 the mode policy's per-round choices (ssd_policy_decisions_total deltas by choice: ssd+neural,
-ssd+fast, sd, ar) and its predicted tokens/s per choice at the end of the cell.
+ssd+fast, sd, ar) and its predicted tokens/s per choice at the end of the cell. With --repeat N each
+cell runs as N parts of run-time/N, interleaved across modes (ar, sd, ssd, ar, sd, ssd, ...), and its
+row adds them up (tokens over the parts' time, percentiles over all latencies; parts_tok_s lists
+each part's rate): this VM's speed drifts by tens of percent within minutes, and a mode whose whole
+cell fell in a slow stretch would otherwise read as the slower mode.
 
 Outputs under --out (default results/loadtest/): sweep.csv, throughput.png, latency.png, and per
 cell cells/<mode>_u<N>{_stats.csv,_failures.csv,.html,_summary.json,.log}.
@@ -37,7 +41,7 @@ FIELDS = ["mode", "users", "user_class", "requests", "failures", "rps", "output_
           "latency_p50_ms", "latency_p99_ms", "latency_avg_ms", "ttft_p50_ms", "itl_p50_ms",
           "server_requests_ok", "server_requests_failed", "server_output_tokens", "cache_hits", "cache_misses",
           "p_hit", "backup_neural", "backup_fast", "policy_choice", "policy_decisions", "policy_rates", "rejected_busy",
-          "locust_rc", "wall_s"]
+          "locust_rc", "wall_s", "parts_tok_s"]
 
 
 # -- Prometheus ---------------------------------------------------------------------------------------
@@ -162,10 +166,10 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def run_cell(a, url: str, metrics_url: str, mode: str, users: int) -> dict:
+def run_cell(a, url: str, metrics_url: str, mode: str, users: int, part: int = 0) -> dict:
     cells = a.out / "cells"
     cells.mkdir(parents=True, exist_ok=True)
-    tag = f"{mode}_u{users}"
+    tag = f"{mode}_u{users}" + (f"_r{part + 1}" if a.repeat > 1 else "")
     prefix, summary = cells / tag, cells / f"{tag}_summary.json"
     for stale in (summary, Path(f"{prefix}_stats.csv")):
         stale.unlink(missing_ok=True)
@@ -220,8 +224,41 @@ def run_cell(a, url: str, metrics_url: str, mode: str, users: int) -> dict:
         "policy_decisions": "; ".join(f"{k}={int(v)}" for k, v in sorted(kinds.items())),
         "policy_rates": "; ".join(f"{k}={v:.2f}" for k, v in sorted(rates.items())) if mode == "ssd" else "",
         "rejected_busy": int(sum(by_label(before, after, "ssd_rejected_busy_total").values())),
-        "locust_rc": rc, "wall_s": round(wall, 1),
+        "locust_rc": rc, "wall_s": round(wall, 1), "parts_tok_s": f"{tps:.2f}",
+        "_lat": lat, "_ttft": ttft, "_span": s.get("span_s", 0.0), "_kinds": kinds,
     }
+
+
+def merge(parts: list[dict]) -> dict:
+    """One row for a mode and concurrency from its interleaved parts (``--repeat``): counts add up,
+    tokens/s is all tokens over all the parts' spans, percentiles come from all latencies."""
+    if len(parts) == 1:
+        return parts[0]
+    row = dict(parts[0])
+    for k in ("requests", "failures", "output_tokens", "server_requests_ok", "server_requests_failed",
+              "server_output_tokens", "cache_hits", "cache_misses", "backup_neural", "backup_fast", "rejected_busy"):
+        row[k] = sum(int(p[k]) for p in parts)
+    row["rps"] = round(sum(p["rps"] for p in parts) / len(parts), 3)
+    span = sum(p["_span"] for p in parts)
+    row["output_tokens_per_s"] = round(row["output_tokens"] / span, 2) if span else 0.0
+    lat, ttft = [x for p in parts for x in p["_lat"]], [x for p in parts for x in p["_ttft"]]
+    if lat:
+        row["latency_p50_ms"], row["latency_p99_ms"] = round(percentile(lat, 50), 1), round(percentile(lat, 99), 1)
+        row["latency_avg_ms"] = round(sum(lat) / len(lat), 1)
+    row["ttft_p50_ms"] = round(percentile(ttft, 50), 1) if ttft else ""
+    hits, looks = row["cache_hits"], row["cache_hits"] + row["cache_misses"]
+    row["p_hit"] = round(hits / looks, 3) if looks else ""
+    kinds: dict[str, float] = defaultdict(float)
+    for p in parts:
+        for k, v in p["_kinds"].items():
+            kinds[k] += v
+    row["policy_choice"] = max(kinds, key=kinds.get) if kinds else "-"
+    row["policy_decisions"] = "; ".join(f"{k}={int(v)}" for k, v in sorted(kinds.items()))
+    row["policy_rates"] = parts[-1]["policy_rates"]
+    row["locust_rc"] = max(p["locust_rc"] for p in parts)
+    row["wall_s"] = round(sum(p["wall_s"] for p in parts), 1)
+    row["parts_tok_s"] = " ".join(p["parts_tok_s"] for p in parts)
+    return row
 
 
 # -- outputs ----------------------------------------------------------------------------------------------
@@ -308,6 +345,9 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument("--modes", default="ar,sd,ssd")
     ap.add_argument("--run-time", default="60s", help="per cell (Locust --run-time)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="split each cell into this many parts, run interleaved (ar, sd, ssd, ar, sd, ssd, ...) "
+                         "so that a machine drifting during a concurrency level weighs on every mode alike")
     ap.add_argument("--stop-timeout", type=int, default=600, help="seconds users get to finish the request in flight")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--user-class", default="GenerateUser", help="GenerateUser, StreamUser or both (comma)")
@@ -333,21 +373,27 @@ def main() -> None:
     rows: list[dict] = []
     try:
         warm_up(url, modes)
-        n_cells = len(levels) * len(modes)
+        n_cells, done = len(levels) * len(modes) * a.repeat, 0
+        part_time = f"{max(1, a.run_seconds // a.repeat)}s"
         for n in levels:
-            for mode in modes:
-                print(f"[loadtest] cell {len(rows) + 1}/{n_cells}: mode={mode} users={n} run-time={a.run_time} ...",
-                      flush=True)
-                r = run_cell(a, url, metrics_url, mode, n)
-                rows.append(r)
-                print(f"[loadtest]   {r['requests']} requests, {r['failures']} failures, "
-                      f"{r['output_tokens_per_s']:.1f} out tok/s, p50 {r['latency_p50_ms']:.0f} ms, "
-                      f"p99 {r['latency_p99_ms']:.0f} ms, policy: {r['policy_decisions'] or '-'} "
-                      f"({r['wall_s']:.0f} s)", flush=True)
-                with (a.out / "sweep.csv").open("w", newline="") as f:  # rewritten after every cell
-                    w = csv.DictWriter(f, fieldnames=FIELDS)
-                    w.writeheader()
-                    w.writerows(rows)
+            parts: dict[str, list[dict]] = {m: [] for m in modes}
+            for part in range(a.repeat):
+                for mode in modes:
+                    done += 1
+                    print(f"[loadtest] cell {done}/{n_cells}: mode={mode} users={n} run-time={part_time}"
+                          + (f" (part {part + 1}/{a.repeat})" if a.repeat > 1 else "") + " ...", flush=True)
+                    r = run_cell(argparse.Namespace(**{**vars(a), "run_time": part_time}), url, metrics_url,
+                                 mode, n, part)
+                    parts[mode].append(r)
+                    print(f"[loadtest]   {r['requests']} requests, {r['failures']} failures, "
+                          f"{r['output_tokens_per_s']:.1f} out tok/s, p50 {r['latency_p50_ms']:.0f} ms, "
+                          f"p99 {r['latency_p99_ms']:.0f} ms, policy: {r['policy_decisions'] or '-'} "
+                          f"({r['wall_s']:.0f} s)", flush=True)
+            rows += [merge(parts[m]) for m in modes]
+            with (a.out / "sweep.csv").open("w", newline="") as f:  # rewritten after every level
+                w = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+                w.writeheader()
+                w.writerows(rows)
     finally:
         if srv is not None:
             srv.stop()

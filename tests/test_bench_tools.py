@@ -106,3 +106,23 @@ def test_report_counts_divergences_and_fits_the_miss_rate(tmp_path):
     assert abs(r - 1.0) < 1e-9 and abs(c - 0.8) < 1e-9
     for png in ("throughput.png", "hit_rate_vs_budget.png", "ssd_over_sd_predicted_vs_measured.png"):
         assert (tmp_path / png).stat().st_size > 1000
+
+
+def test_loadtest_parts_merge_into_one_row():
+    """`loadtest/sweep.py --repeat`: interleaved parts of a cell report as one, with tokens/s over
+    all the parts' time (not a mean of rates) and percentiles over all their latencies."""
+    sys.path.insert(0, str(REPO / "loadtest"))
+    from sweep import merge
+
+    def part(tokens, span, lat, kinds, hits):
+        return {"mode": "ssd", "users": 4, "requests": len(lat), "failures": 0, "rps": 0.5, "output_tokens": tokens,
+                "output_tokens_per_s": tokens / span, "server_requests_ok": len(lat), "server_requests_failed": 0,
+                "server_output_tokens": tokens, "cache_hits": hits, "cache_misses": 10 - hits, "backup_neural": 1,
+                "backup_fast": 0, "rejected_busy": 0, "policy_rates": "", "locust_rc": 0, "wall_s": span,
+                "parts_tok_s": f"{tokens / span:.2f}", "_lat": lat, "_ttft": [], "_span": span, "_kinds": kinds}
+
+    row = merge([part(100, 10.0, [1.0, 2.0], {"sd": 3.0}, 2), part(300, 50.0, [3.0, 4.0, 5.0], {"sd": 1, "ar": 5}, 8)])
+    assert row["output_tokens"] == 400 and row["output_tokens_per_s"] == round(400 / 60, 2)  # not (10 + 6) / 2
+    assert row["requests"] == 5 and row["latency_p50_ms"] == 3.0 and row["latency_avg_ms"] == 3.0
+    assert row["p_hit"] == 0.5 and row["policy_decisions"] == "ar=5; sd=4" and row["policy_choice"] == "ar"
+    assert row["parts_tok_s"] == "10.00 6.00" and merge([row]) is row

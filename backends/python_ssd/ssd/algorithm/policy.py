@@ -35,12 +35,12 @@ bucket's until a bucket has 2 rounds, else the factor over all sizes). The calle
 rounds that another request's prefill overlapped and the first round after a change of choice
 (it pays for the switch: the drafter catching up, no cached draft). So the formulas extrapolate
 and the measurements decide. Statistics only come from running a choice, so one that has not run at
-this batch size for a while gets a probe (``explore``): every sequence runs it for the next 2
+this batch size for a while gets a probe (``explore``): every sequence runs it for the next 3
 rounds, so it is measured the way it would run (a lone SSD round among SD rounds would stall the
-drafter for the whole batch); 1 probe per 8 rounds while the choice has fewer than 2 measured rounds
+drafter for the whole batch) and 2 of them measure it (the first pays for the switch); 1 probe per 8 rounds while the choice has fewer than 2 measured rounds
 there, 1 per 256 after, never while even ``explore_margin`` times its prediction stays below the
 best one (a choice that never ran anywhere gets one probe whatever it predicts), and no more often than its price allows (a probe of a choice predicted at 70% of the
-best gives up 0.6 of its rounds, each as long as that choice's rounds measured, in units of the
+best gives up 0.9 of its rounds, each as long as that choice's rounds measured, in units of the
 current choice's rounds; probes may spend 3% of the time). A new choice must predict
 ``hysteresis`` more than the current one, and a choice stays at least ``min_dwell`` rounds: every
 switch into SSD costs a round without a cached draft, so flapping on noise would cost more than it
@@ -95,7 +95,7 @@ class ModePolicy:
     explore_every: int = 256  # ... and of one measured before
     explore_margin: float = 1.5
     explore_budget: float = 0.03  # share of the rounds that probes may give up (see _probe_due)
-    probe_rounds: int = 2
+    probe_rounds: int = 3  # the first pays for the switch; 2 measure (MEASURED)
     stale_after: int = 32  # rounds after which a choice's record is re-measured before a switch to it
     tree_slack: float = 0.25  # share of a verify the speculation's extra branches may cost (tree_budget)
     rounds: int = 0  # rounds of the batch so far (one per round, whatever the batch size)
@@ -193,10 +193,7 @@ class ModePolicy:
                 self.trace({"ev": "round", "choice": choice, "batch": batch, "k": k, "budget": budget,
                             "tokens": tokens, "s": round(seconds, 4), "predicted": round(predicted, 3)})
             self._calib(choice, _bucket(batch)).update(ratio, w)
-            rec = self.measured.setdefault((choice, _bucket(batch)), Measured())
-            if rec.count and self.rounds - rec.last > self.stale_after:
-                rec.forget()  # the machine may have drifted since: this round is news, not noise
-            rec.update(tokens, seconds, w, self.rounds)
+            self.measured.setdefault((choice, _bucket(batch)), Measured()).update(tokens, seconds, w, self.rounds)
             self._calib(choice, None).update(ratio, w)
 
     def choose(self, batch: int, k: int, budget: int, allowed: tuple[str, ...] = CHOICES,
@@ -258,7 +255,8 @@ class ModePolicy:
             if cur in allowed and self._stale(best, bk):
                 # its record is old and the current choice's is fresh: a machine that slowed down
                 # shows in the running choice alone (traced at 8 users: AR's rounds went from 0.44
-                # to 0.58 s, SD's 60-s-old record looked better, and SD ran 16 slower rounds)
+                # to 0.58 s, and the batch moved to SD for 16 rounds on a 60-s-old figure)
+                self.measured[(best, bk)].forget()  # the probe's rounds are news, not noise
                 return self._start_probe(best, "confirm", rates, bk)
             cur, self.switched_at = best, self.rounds
         self.current = cur
