@@ -290,12 +290,16 @@ class Generation:
             prefix = prefix + block
             # A round right after a change of choice pays for the change (the drafter catches up on
             # the tokens of the rounds it sat out; SSD's first round has no cached draft): it says
-            # what switching costs, not what the choice yields, so it does not calibrate either.
-            # Neither does a round that another request's prefill overlapped.
-            settled, self.last_choice = d.choice == self.last_choice, d.choice
-            if settled and mark is not None and mark == self.shared.prefill_mark():
+            # what switching costs, not what the choice yields, so the policy does not see it. A
+            # request's first round and one that another request's prefill overlapped are part of
+            # what the choice yields under load, but not of what the formula prices (see
+            # ModePolicy.observe_round).
+            first, switched = not self.last_choice, self.last_choice not in ("", d.choice)
+            self.last_choice = d.choice
+            if not switched:
+                clean = not first and mark is not None and mark == self.shared.prefill_mark()
                 pol.observe_round(d.choice, len(block), time.perf_counter() - t_round, self.shared.active, self.k,
-                                  budget)
+                                  budget, clean)
             yield block
             cached = None
             if hit and not self.params.greedy:
