@@ -4,14 +4,15 @@ Against a running server (--url http://127.0.0.1:8000, metrics from --metrics-ur
 here: --engine-root/--config like tools/bench/run.py (target on core 0, drafter on core 1), or
 --tiny (the CI engines in build/test_engines: smollm2-135m fp32 target, the same weights in bf16 as
 drafter) for quick smoke runs. Each cell runs `locust -f loadtest/locustfile.py --headless -u N -r N
---run-time T` (users finish the request in flight, up to --stop-timeout), scrapes /metrics before and
-after, and records requests, failures, output tokens/s, p50/p99 latency, TTFT p50 (StreamUser), and
-the mode policy's per-round choices (ssd_policy_decisions_total deltas by choice: ssd+neural,
-ssd+fast, sd, ar) and its predicted tokens/s per choice at the end of the cell. With --repeat N each
-cell runs as N parts of run-time/N, interleaved across modes (ar, sd, ssd, ar, sd, ssd, ...), and its
-row adds them up (tokens over the parts' time, percentiles over all latencies; parts_tok_s lists
-each part's rate): this VM's speed drifts by tens of percent within minutes, and a mode whose whole
-cell fell in a slow stretch would otherwise read as the slower mode.
+--run-time T` (users finish the request in flight, up to --stop-timeout), scrapes /metrics before
+and after, and records requests, failures, output tokens/s (over the span and steady: see
+steady_rate), p50/p99 latency, TTFT p50 (StreamUser), and the mode policy's per-round choices
+(ssd_policy_decisions_total deltas by choice: ssd+neural, ssd+fast, sd, ar) and its predicted
+tokens/s per choice at the end of the cell. With --repeat N each cell runs as N parts of run-time/N,
+interleaved across modes (ar, sd, ssd, ar, sd, ssd, ...), and its row adds them up (tokens over the
+parts' time, percentiles over all latencies; parts_tok_s lists each part's rate): this VM's speed
+drifts by tens of percent within minutes, and a mode whose whole cell fell in a slow stretch would
+otherwise read as the slower mode.
 
 Outputs under --out (default results/loadtest/): sweep.csv, throughput.png, latency.png, and per
 cell cells/<mode>_u<N>{_stats.csv,_failures.csv,.html,_summary.json,.log}.
@@ -38,6 +39,7 @@ sys.path.insert(0, str(REPO / "tools"))
 TINY_TARGET = "smollm2-135m"
 LOOPBACK = ("127.0.0.1", "localhost")
 FIELDS = ["mode", "users", "user_class", "requests", "failures", "rps", "output_tokens", "output_tokens_per_s",
+          "steady_tokens_per_s",
           "latency_p50_ms", "latency_p99_ms", "latency_avg_ms", "ttft_p50_ms", "itl_p50_ms",
           "server_requests_ok", "server_requests_failed", "server_output_tokens", "cache_hits", "cache_misses",
           "p_hit", "backup_neural", "backup_fast", "policy_choice", "policy_decisions", "policy_rates", "rejected_busy",
@@ -209,6 +211,7 @@ def run_cell(a, url: str, metrics_url: str, mode: str, users: int, part: int = 0
         "failures": int(sum(_num(r, "Failure Count") for r in mains)),
         "rps": round(sum(_num(r, "Requests/s") for r in mains), 3),
         "output_tokens": int(s.get("tokens", 0)), "output_tokens_per_s": round(tps, 2),
+        "steady_tokens_per_s": steady_rate(users, int(s.get("tokens", 0)), lat),
         "latency_p50_ms": round(percentile(lat, 50), 1) if lat else _num(main, "50%"),
         "latency_p99_ms": round(percentile(lat, 99), 1) if lat else _num(main, "99%"),
         "latency_avg_ms": round(sum(lat) / len(lat), 1) if lat else round(_num(main, "Average Response Time"), 1),
@@ -229,6 +232,16 @@ def run_cell(a, url: str, metrics_url: str, mode: str, users: int, part: int = 0
     }
 
 
+def steady_rate(users: int, tokens: int, latencies_ms: list[float]) -> float:
+    """Tokens/s at a steady ``users`` requests in flight (Little's law: each user always has one
+    request running, so the rate is users x tokens / the requests' total latency). Unlike tokens
+    over the cell's span it leaves out the drain after Locust stops sending, when the last
+    requests run at falling concurrency and the mode whose requests vary most in length scores
+    lowest (traced: SD at 8 users, 11.7 tok/s over the span, 15.4 in the steady part)."""
+    total = sum(latencies_ms) / 1000
+    return round(users * tokens / total, 2) if total > 0 else 0.0
+
+
 def merge(parts: list[dict]) -> dict:
     """One row for a mode and concurrency from its interleaved parts (``--repeat``): counts add up,
     tokens/s is all tokens over all the parts' spans, percentiles come from all latencies."""
@@ -242,6 +255,7 @@ def merge(parts: list[dict]) -> dict:
     span = sum(p["_span"] for p in parts)
     row["output_tokens_per_s"] = round(row["output_tokens"] / span, 2) if span else 0.0
     lat, ttft = [x for p in parts for x in p["_lat"]], [x for p in parts for x in p["_ttft"]]
+    row["steady_tokens_per_s"] = steady_rate(row["users"], row["output_tokens"], lat)
     if lat:
         row["latency_p50_ms"], row["latency_p99_ms"] = round(percentile(lat, 50), 1), round(percentile(lat, 99), 1)
         row["latency_avg_ms"] = round(sum(lat) / len(lat), 1)
@@ -313,11 +327,12 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| mode | users | requests | failures | out tok/s | p50 ms | p99 ms | TTFT p50 ms | p_hit "
+    head = ("| mode | users | requests | failures | out tok/s | steady tok/s | p50 ms | p99 ms | TTFT p50 ms | p_hit "
             "| backup (neural/fast) | rounds by policy choice |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        lines.append(f"| {r['mode']} | {r['users']} | {r['requests']} | {r['failures']} | {r['output_tokens_per_s']:.1f} "
+        lines.append(f"| {r['mode']} | {r['users']} | {r['requests']} | {r['failures']} "
+                     f"| {r['output_tokens_per_s']:.1f} | {r['steady_tokens_per_s']:.1f} "
                      f"| {r['latency_p50_ms']:.0f} | {r['latency_p99_ms']:.0f} | {r['ttft_p50_ms'] or '-'} "
                      f"| {r['p_hit'] if r['p_hit'] != '' else '-'} | {r['backup_neural']}/{r['backup_fast']} "
                      f"| {r['policy_decisions'] or '-'} |")
@@ -386,7 +401,8 @@ def main() -> None:
                                  mode, n, part)
                     parts[mode].append(r)
                     print(f"[loadtest]   {r['requests']} requests, {r['failures']} failures, "
-                          f"{r['output_tokens_per_s']:.1f} out tok/s, p50 {r['latency_p50_ms']:.0f} ms, "
+                          f"{r['output_tokens_per_s']:.1f} out tok/s ({r['steady_tokens_per_s']:.1f} steady), "
+                          f"p50 {r['latency_p50_ms']:.0f} ms, "
                           f"p99 {r['latency_p99_ms']:.0f} ms, policy: {r['policy_decisions'] or '-'} "
                           f"({r['wall_s']:.0f} s)", flush=True)
             rows += [merge(parts[m]) for m in modes]

@@ -126,3 +126,4 @@ def test_loadtest_parts_merge_into_one_row():
     assert row["requests"] == 5 and row["latency_p50_ms"] == 3.0 and row["latency_avg_ms"] == 3.0
     assert row["p_hit"] == 0.5 and row["policy_decisions"] == "ar=5; sd=4" and row["policy_choice"] == "ar"
     assert row["parts_tok_s"] == "10.00 6.00" and merge([row]) is row
+    assert row["steady_tokens_per_s"] == round(4 * 400 / (15.0 / 1000), 2)  # users x tokens / total latency
