@@ -292,15 +292,18 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     paths = []
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for m in modes:
+    for i, m in enumerate(modes):  # steady (no drain) solid, over the span dashed: see steady_rate
         rs = sorted((r for r in rows if r["mode"] == m), key=lambda r: r["users"])
-        ax.plot([r["users"] for r in rs], [r["output_tokens_per_s"] for r in rs], marker="o", label=m)
+        xs = [r["users"] for r in rs]
+        ax.plot(xs, [r["steady_tokens_per_s"] for r in rs], marker="o", color=f"C{i}", label=f"{m} steady")
+        ax.plot(xs, [r["output_tokens_per_s"] for r in rs], marker=".", ls="--", color=f"C{i}", alpha=0.6,
+                label=f"{m} span")
     log2_axis(ax)
     ax.set_xlabel("concurrent users")
     ax.set_ylabel("output tokens/s")
     ax.set_title("Throughput vs concurrency")
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(out / "throughput.png")
     fig.savefig(paths[-1], dpi=120)
