@@ -34,25 +34,25 @@ size, each round weighing one sample however many sequences report it (the neare
 until a bucket has 2 rounds, else the factor over all sizes). The caller leaves out the first round
 after a change of choice (it pays for the switch: the drafter catching up, no cached draft), and
 keeps a request's first round and rounds that another request's prefill overlapped out of the
-calibration (not out of the choice's own record: see ``observe_round``). So the formulas extrapolate and the measurements
-decide. Statistics only come from running a choice, so one that has not run at this batch size for a
-while gets a probe (``explore``): every sequence runs it for the next 3 rounds, so it is measured
-the way it would run (a lone SSD round among SD rounds would stall the drafter for the whole batch)
-and 2 of them measure it (the first pays for the switch); 1 probe per 8 rounds while the choice has
-fewer than 2 measured rounds there, 1 per 256 after, never while even ``explore_margin`` times its
-prediction stays below the best one (a choice that never ran anywhere gets one probe whatever it
-predicts), and no more often than its price allows (a probe of a choice predicted at 70% of the best
-gives up 0.9 of its rounds, each as long as that choice's rounds measured, in units of the current
-choice's rounds; probes may spend 3% of the time). A new choice must predict ``hysteresis`` more
-than the current one, and a choice stays at least ``min_dwell`` rounds: every switch into SSD costs
-a round without a cached draft, so flapping on noise would cost more than it gains. Two rules keep
-stale or borrowed evidence from moving the batch: the step-aside ladder (a choice that a later one
-in CHOICES beat, by more than the hysteresis, at the nearest smaller batch size where it was
-measured is neither probed nor chosen at a larger one, until it has a record there) and confirmation
-(a switch to a choice whose record here is ``stale_after`` rounds old waits for a probe of it,
-reason "confirm", whose rounds outweigh the old ones: a machine that slows down shows in the running
-choice's record alone). Decisions are made once per round of the whole batch (``choose``), not per
-sequence.
+calibration (not out of the choice's own record: see ``observe_round``). So the formulas extrapolate
+and the measurements decide. Statistics only come from running a choice, so one that has not run at
+this batch size for a while gets a probe (``explore``): every sequence runs it for the next 3
+rounds, so it is measured the way it would run (a lone SSD round among SD rounds would stall the
+drafter for the whole batch) and 2 of them measure it (the first pays for the switch); 1 probe per 8
+rounds while the choice has fewer than 2 measured rounds there, 1 per 256 after, never while even
+``explore_margin`` times its prediction stays below the best one (a choice that never ran anywhere
+gets one probe whatever it predicts), and no more often than its price allows (a probe of a choice
+predicted at 70% of the best gives up 0.9 of its rounds, each as long as that choice's rounds
+measured, in units of the current choice's rounds; probes may spend 3% of the time). A new choice
+must predict ``hysteresis`` more than the current one, and a choice stays at least ``min_dwell``
+rounds: every switch into SSD costs a round without a cached draft, so flapping on noise would cost
+more than it gains. Two rules keep stale or borrowed evidence from moving the batch: the step-aside
+ladder (a choice that a later one in CHOICES beat, by more than the hysteresis, at the nearest
+smaller batch size where it was measured is neither probed nor chosen at a larger one, until it has
+a record there) and confirmation (a switch to a choice whose record here is ``stale_after`` rounds
+old waits for a probe of it, reason "confirm", whose rounds outweigh the old ones: a machine that
+slows down shows in the running choice's record alone). Decisions are made once per round of the
+whole batch (``choose``), not per sequence.
 """
 from __future__ import annotations
 
@@ -189,8 +189,8 @@ class ModePolicy:
         not a request's first round), calibrates the formula's prediction. The record is what the
         choice delivers, joins included: kept out of it, they made SD at 8 users look 1.5x faster
         than its cells ran (traced: measured rounds covered 57% of SD's sequence-time, 77% of
-        AR's), and the policy held SD where AR ran 20% faster. The formula prices forwards only, and a
-        1-2 s prefill stall in a factor would move it for every batch size."""
+        AR's), and the policy held SD where AR ran 20% faster. The formula prices forwards only,
+        and a 1-2 s prefill stall in a factor would move it for every batch size."""
         if seconds <= 0 or not (self.target.known and self.drafter.known):
             return
         predicted = self.model_rates(batch, k, budget)[choice]
@@ -320,14 +320,12 @@ class ModePolicy:
         against AR, where SD had already beaten them at 4 users.)"""
         if self._measured_here(choice, bucket) is not None:
             return False
+        b = _nearest_bucket(self.measured, choice, bucket - 1, MEASURED)
+        if b is None:
+            return False
+        bar = self.measured[(choice, b)].rate * (1 + self.hysteresis)
         later = CHOICES[CHOICES.index(choice) + 1:]
-        for b in range(bucket - 1, -1, -1):
-            mine = self._measured_here(choice, b)
-            if mine is None:
-                continue
-            bar = mine.rate * (1 + self.hysteresis)
-            return any((m := self._measured_here(c, b)) is not None and m.rate > bar for c in later)
-        return False
+        return any((m := self._measured_here(c, b)) is not None and m.rate > bar for c in later)
 
     def _round_seconds(self, choice: str, bucket: int) -> float | None:
         """Measured seconds per round of ``choice`` at this bucket or the nearest smaller one that
@@ -363,14 +361,20 @@ def _bucket(batch: int) -> int:
     return round(math.log2(max(batch, 1)))
 
 
-def _nearest(table: dict, choice: str, bucket: int, least: float):
-    """``table[(choice, b)]`` for this bucket or the nearest smaller one whose weight is above 0
-    and at least ``least`` (batch 8's reality is closer to batch 16's than batch 1's); else None."""
+def _nearest_bucket(table: dict, choice: str, bucket: int, least: float) -> int | None:
+    """This bucket or the nearest smaller one where ``table[(choice, b)]`` has a weight above 0 and
+    at least ``least`` (batch 8's reality is closer to batch 16's than batch 1's); else None."""
     for b in range(bucket, -1, -1):
         entry = table.get((choice, b))
         if entry is not None and entry.count > 0 and entry.count >= least:
-            return entry
+            return b
     return None
+
+
+def _nearest(table: dict, choice: str, bucket: int, least: float):
+    """``table[(choice, b)]`` at ``_nearest_bucket``; else None."""
+    b = _nearest_bucket(table, choice, bucket, least)
+    return None if b is None else table[(choice, b)]
 
 
 def _decision(choice: str, reason: str, rates: dict | None = None) -> Decision:
