@@ -15,7 +15,8 @@ drifts by tens of percent within minutes, and a mode whose whole cell fell in a 
 otherwise read as the slower mode.
 
 Outputs under --out (default results/loadtest/): sweep.csv, throughput.png, latency.png, and per
-cell cells/<mode>_u<N>{_stats.csv,_failures.csv,.html,_summary.json,.log}.
+cell cells/<mode>_u<N>{_stats.csv,_failures.csv,.html,_summary.json,.log}. The figures, the merge
+and the outputs are in report.py.
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ from urllib.parse import urlparse
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(HERE))
+from report import hit_rate, latency_fields, markdown, merge, plot, policy_fields, steady_rate  # noqa: E402
 
 TINY_TARGET = "smollm2-135m"
 LOOPBACK = ("127.0.0.1", "localhost")
@@ -159,15 +162,6 @@ def _num(row: dict | None, key: str) -> float:
         return 0.0
 
 
-def percentile(xs: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    xs = sorted(xs)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def run_cell(a, url: str, metrics_url: str, mode: str, users: int, part: int = 0) -> dict:
     cells = a.out / "cells"
     cells.mkdir(parents=True, exist_ok=True)
@@ -212,134 +206,22 @@ def run_cell(a, url: str, metrics_url: str, mode: str, users: int, part: int = 0
         "rps": round(sum(_num(r, "Requests/s") for r in mains), 3),
         "output_tokens": int(s.get("tokens", 0)), "output_tokens_per_s": round(tps, 2),
         "steady_tokens_per_s": steady_rate(users, int(s.get("tokens", 0)), lat),
-        "latency_p50_ms": round(percentile(lat, 50), 1) if lat else _num(main, "50%"),
-        "latency_p99_ms": round(percentile(lat, 99), 1) if lat else _num(main, "99%"),
-        "latency_avg_ms": round(sum(lat) / len(lat), 1) if lat else round(_num(main, "Average Response Time"), 1),
-        "ttft_p50_ms": round(percentile(ttft, 50), 1) if ttft else "",
+        # Locust's own figures only where the locustfile wrote no record
+        "latency_p50_ms": _num(main, "50%"), "latency_p99_ms": _num(main, "99%"),
+        "latency_avg_ms": round(_num(main, "Average Response Time"), 1), **latency_fields(lat, ttft),
         "itl_p50_ms": _num(stats.get("ITL"), "50%") if "ITL" in stats else "",
         "server_requests_ok": int(req_by_status.get("ok", 0)),
         "server_requests_failed": int(sum(v for k, v in req_by_status.items() if k != "ok")),
         "server_output_tokens": int(sum(by_label(before, after, "ssd_output_tokens_total").values())),
         "cache_hits": int(hits), "cache_misses": int(misses),
-        "p_hit": round(hits / (hits + misses), 3) if hits + misses else "",
+        "p_hit": hit_rate(hits, misses),
         "backup_neural": int(backup.get("neural", 0)), "backup_fast": int(backup.get("fast", 0)),
-        "policy_choice": max(kinds, key=kinds.get) if kinds else "-",
-        "policy_decisions": "; ".join(f"{k}={int(v)}" for k, v in sorted(kinds.items())),
+        **policy_fields(kinds),
         "policy_rates": "; ".join(f"{k}={v:.2f}" for k, v in sorted(rates.items())) if mode == "ssd" else "",
         "rejected_busy": int(sum(by_label(before, after, "ssd_rejected_busy_total").values())),
         "locust_rc": rc, "wall_s": round(wall, 1), "parts_tok_s": f"{tps:.2f}",
         "_lat": lat, "_ttft": ttft, "_span": s.get("span_s", 0.0), "_kinds": kinds,
     }
-
-
-def steady_rate(users: int, tokens: int, latencies_ms: list[float]) -> float:
-    """Tokens/s at a steady ``users`` requests in flight (Little's law: each user always has one
-    request running, so the rate is users x tokens / the requests' total latency). Unlike tokens
-    over the cell's span it leaves out the drain after Locust stops sending, when the last
-    requests run at falling concurrency and the mode whose requests vary most in length scores
-    lowest (traced: SD at 8 users, 11.7 tok/s over the span, 15.4 in the steady part)."""
-    total = sum(latencies_ms) / 1000
-    return round(users * tokens / total, 2) if total > 0 else 0.0
-
-
-def merge(parts: list[dict]) -> dict:
-    """One row for a mode and concurrency from its interleaved parts (``--repeat``): counts add up,
-    tokens/s is all tokens over all the parts' spans, percentiles come from all latencies."""
-    if len(parts) == 1:
-        return parts[0]
-    row = dict(parts[0])
-    for k in ("requests", "failures", "output_tokens", "server_requests_ok", "server_requests_failed",
-              "server_output_tokens", "cache_hits", "cache_misses", "backup_neural", "backup_fast", "rejected_busy"):
-        row[k] = sum(int(p[k]) for p in parts)
-    row["rps"] = round(sum(p["rps"] for p in parts) / len(parts), 3)
-    span = sum(p["_span"] for p in parts)
-    row["output_tokens_per_s"] = round(row["output_tokens"] / span, 2) if span else 0.0
-    lat, ttft = [x for p in parts for x in p["_lat"]], [x for p in parts for x in p["_ttft"]]
-    row["steady_tokens_per_s"] = steady_rate(row["users"], row["output_tokens"], lat)
-    if lat:
-        row["latency_p50_ms"], row["latency_p99_ms"] = round(percentile(lat, 50), 1), round(percentile(lat, 99), 1)
-        row["latency_avg_ms"] = round(sum(lat) / len(lat), 1)
-    row["ttft_p50_ms"] = round(percentile(ttft, 50), 1) if ttft else ""
-    hits, looks = row["cache_hits"], row["cache_hits"] + row["cache_misses"]
-    row["p_hit"] = round(hits / looks, 3) if looks else ""
-    kinds: dict[str, float] = defaultdict(float)
-    for p in parts:
-        for k, v in p["_kinds"].items():
-            kinds[k] += v
-    row["policy_choice"] = max(kinds, key=kinds.get) if kinds else "-"
-    row["policy_decisions"] = "; ".join(f"{k}={int(v)}" for k, v in sorted(kinds.items()))
-    row["policy_rates"] = parts[-1]["policy_rates"]
-    row["locust_rc"] = max(p["locust_rc"] for p in parts)
-    row["wall_s"] = round(sum(p["wall_s"] for p in parts), 1)
-    row["parts_tok_s"] = " ".join(p["parts_tok_s"] for p in parts)
-    return row
-
-
-# -- outputs ----------------------------------------------------------------------------------------------
-def plot(rows: list[dict], out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullLocator, ScalarFormatter
-
-    def log2_axis(ax):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({r["users"] for r in rows}))
-        ax.xaxis.set_major_formatter(ScalarFormatter())
-        ax.xaxis.set_minor_locator(NullLocator())
-
-    modes = list(dict.fromkeys(r["mode"] for r in rows))
-    paths = []
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for i, m in enumerate(modes):  # steady (no drain) solid, over the span dashed: see steady_rate
-        rs = sorted((r for r in rows if r["mode"] == m), key=lambda r: r["users"])
-        xs = [r["users"] for r in rs]
-        ax.plot(xs, [r["steady_tokens_per_s"] for r in rs], marker="o", color=f"C{i}", label=f"{m} steady")
-        ax.plot(xs, [r["output_tokens_per_s"] for r in rs], marker=".", ls="--", color=f"C{i}", alpha=0.6,
-                label=f"{m} span")
-    log2_axis(ax)
-    ax.set_xlabel("concurrent users")
-    ax.set_ylabel("output tokens/s")
-    ax.set_title("Throughput vs concurrency")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out / "throughput.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for i, m in enumerate(modes):
-        rs = sorted((r for r in rows if r["mode"] == m), key=lambda r: r["users"])
-        xs = [r["users"] for r in rs]
-        color = f"C{i}"
-        ax.plot(xs, [r["latency_p50_ms"] / 1000 for r in rs], marker="o", color=color, label=f"{m} p50")
-        ax.plot(xs, [r["latency_p99_ms"] / 1000 for r in rs], marker="s", ls="--", color=color, label=f"{m} p99")
-    log2_axis(ax)
-    ax.set_xlabel("concurrent users")
-    ax.set_ylabel("request latency (s)")
-    ax.set_title("Latency vs concurrency")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out / "latency.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
-    return paths
-
-
-def markdown(rows: list[dict]) -> str:
-    head = ("| mode | users | requests | failures | out tok/s | steady tok/s | p50 ms | p99 ms | TTFT p50 ms | p_hit "
-            "| backup (neural/fast) | rounds by policy choice |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        lines.append(f"| {r['mode']} | {r['users']} | {r['requests']} | {r['failures']} "
-                     f"| {r['output_tokens_per_s']:.1f} | {r['steady_tokens_per_s']:.1f} "
-                     f"| {r['latency_p50_ms']:.0f} | {r['latency_p99_ms']:.0f} | {r['ttft_p50_ms'] or '-'} "
-                     f"| {r['p_hit'] if r['p_hit'] != '' else '-'} | {r['backup_neural']}/{r['backup_fast']} "
-                     f"| {r['policy_decisions'] or '-'} |")
-    return "\n".join(lines)
 
 
 def _seconds(t: str) -> int:
