@@ -16,7 +16,7 @@ otherwise read as the slower mode.
 
 Outputs under --out (default results/loadtest/): sweep.csv, throughput.png, latency.png, and per
 cell cells/<mode>_u<N>{_stats.csv,_failures.csv,.html,_summary.json,.log}. The figures, the merge
-and the outputs are in report.py.
+and the outputs are in sweep_report.py.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO / "tools"))
 sys.path.insert(0, str(HERE))
-from report import hit_rate, latency_fields, markdown, merge, plot, policy_fields, steady_rate  # noqa: E402
+from sweep_report import hit_rate, latency_fields, markdown, merge, plot, policy_fields, steady_rate  # noqa: E402
 
 TINY_TARGET = "smollm2-135m"
 LOOPBACK = ("127.0.0.1", "localhost")

@@ -109,10 +109,10 @@ def test_report_counts_divergences_and_fits_the_miss_rate(tmp_path):
 
 
 def test_loadtest_parts_merge_into_one_row():
-    """`loadtest/sweep.py --repeat` (loadtest/report.py): interleaved parts of a cell report as one, with tokens/s over
+    """`loadtest/sweep.py --repeat` (loadtest/sweep_report.py): interleaved parts of a cell report as one, with tokens/s over
     all the parts' time (not a mean of rates) and percentiles over all their latencies."""
     sys.path.insert(0, str(REPO / "loadtest"))
-    from report import merge
+    from sweep_report import merge
 
     def part(tokens, span, lat, kinds, hits):
         return {"mode": "ssd", "users": 4, "requests": len(lat), "failures": 0, "rps": 0.5, "output_tokens": tokens,
