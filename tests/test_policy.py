@@ -342,3 +342,40 @@ def test_acceptance_predicts_tokens_per_round_at_any_k():
     assert abs(mean[0] - alpha) < 0.03
     assert abs(mean[1] - sum(alpha ** i for i in range(5))) < 0.15
     assert abs(mean[2] - 1.8) < 0.03
+
+
+def _verify_bound_policy(drafter_row_cost: float) -> ModePolicy:
+    """This machine's shape (AMD EPYC, one thread per engine, measured): a target verify of 1-5 rows
+    costs what one row does (0.10 s); each drafter forward costs 0.022 s plus ``drafter_row_cost``
+    per row."""
+    pol = ModePolicy()
+    for rows, s in ((1, 0.100), (2, 0.100), (4, 0.105), (8, 0.115), (32, 0.20)):
+        pol.target.observe(rows, s)
+    for rows in (1, 2, 4, 8, 16, 32):
+        pol.drafter.observe(rows, 0.022 + drafter_row_cost * rows)
+    pol.p_hit["model"].value = pol.p_hit["fast"].value = 0.65
+    pol.e_hit.alpha = pol.e_miss["neural"].alpha = 0.8
+    pol.e_hit.count = 1
+    return pol
+
+
+def test_each_choice_drafts_the_k_that_predicts_the_most():
+    # tree rows cost 2 ms each: a speculation of K steps over 12 branches outlasts the verify from
+    # K = 2 on, so SSD drafts less than the request's K = 4, and gains over SSD at K = 4
+    pol = _verify_bound_policy(0.002)
+    ks = pol.best_k(1, 4, 12)
+    assert ks["ssd+neural"] < 4
+    at_4 = pol.model_rates(1, 4, pol.tree_budget(1, 4, 12))["ssd+neural"]
+    k = ks["ssd+neural"]
+    assert pol.model_rates(1, k, pol.tree_budget(1, k, 12))["ssd+neural"] > at_4 * (1 + pol.k_margin)
+    adaptive = pol.rates(1, 4, 12, ks)
+    assert adaptive["ssd+neural"] > pol.rates(1, 4, pol.tree_budget(1, 4, 12))["ssd+neural"]
+    d = pol.choose(1, 4, 12, adaptive_k=True)
+    assert d.ks == ks and d.rates == adaptive
+    assert pol.choose(1, 4, 12).ks == {}  # a round opened without adaptive_k: every choice at the request's K
+    # free drafter rows: the speculation fits inside the verify at every K, so the longest K wins
+    free = _verify_bound_policy(0.0)
+    free.drafter = StepCost()
+    free.drafter.observe(1, 0.001)
+    assert free.best_k(1, 4, 12)["ssd+neural"] == 4 and free.best_k(1, 4, 12)["sd"] == 4
+    assert ModePolicy().best_k(1, 4, 12) == {c: 4 for c in CHOICES}  # nothing measured: the request's K

@@ -73,11 +73,16 @@ CONFIGS.append(("switch", T1, 0.5, "auto"))
 SWITCH_ORDER = ["ssd+neural", "ssd+neural", "sd", "ssd+fast", "ssd+neural", "ar", "sd", "ssd+neural"]
 
 
+SWITCH_KS = [3, 1, 2, 3, 2]  # and K with it (a cached draft cut to a shorter K, a short one at a longer K)
+
+
 class CyclingPolicy(ModePolicy):
-    def choose(self, batch, k, budget, allowed, seq=None):
+    def choose(self, batch, k, budget, allowed, seq=None, adaptive_k=False):
         self.forced_mode = SWITCH_ORDER[self.rounds % len(SWITCH_ORDER)]
+        d = super().choose(batch, k, budget, allowed, seq, adaptive_k)
+        d.ks = {d.choice: SWITCH_KS[self.rounds % len(SWITCH_KS)]}
         self.rounds += 1
-        return super().choose(batch, k, budget, allowed, seq)
+        return d
 
 
 # ------------------------------------------------------------------ fixtures and helpers

@@ -72,6 +72,7 @@ class Decision:
     backup: str  # neural | fast (what drafts after a miss; meaningful for ssd)
     reason: str  # policy | forced | request | warmup | drafter down
     rates: dict[str, float] = field(default_factory=dict)  # predicted tokens/s per sequence
+    ks: dict[str, int] = field(default_factory=dict)  # each choice's K this round (empty: the request's)
 
     @property
     def choice(self) -> str:
@@ -101,6 +102,7 @@ class ModePolicy:
     probe_rounds: int = 3  # the first pays for the switch; 2 measure (MEASURED)
     stale_after: int = 32  # rounds after which a choice's record is re-measured before a switch to it
     tree_slack: float = 0.25  # share of a verify the speculation's extra branches may cost (tree_budget)
+    k_margin: float = 0.03  # a shorter K must predict this much more (per-round costs the formulas omit)
     rounds: int = 0  # rounds of the batch so far (one per round, whatever the batch size)
     switched_at: int = -10**9  # round of the last switch (none yet: the first one may come at once)
     probe: str = ""  # the choice being probed, why (explore | confirm) and the round its probe ends at
@@ -170,14 +172,37 @@ class ModePolicy:
         m = self.measured.get((choice, bucket))
         return m if m is not None and m.count >= MEASURED else None
 
-    def rates(self, batch: int, k: int, budget: int) -> dict[str, float]:
+    def best_k(self, batch: int, k_max: int, budget: int) -> dict[str, int]:
+        """Each choice's K for a round at this batch size: the K <= ``k_max`` whose formula predicts
+        the most tokens/s, each K with its own fan-out budget (``tree_budget`` under ``budget``).
+        The formula's calibration factor multiplies every K of a choice alike, so the formula alone
+        ranks them. Why per choice: SSD's round lasts max(verify, speculation), and the speculation
+        (glue pass + K tree steps) grows with K while a short verify costs what one row does; at
+        batch 1 a K that SD drafts well leaves SSD waiting for its drafter (traced: speculation
+        0.86 s against a 0.42-s verify at K = 4). A shorter K must win by ``k_margin``: each round
+        also pays costs the formulas leave out (Python, IPC), which favour fewer, longer rounds."""
+        if not (self.target.known and self.drafter.known):
+            return {c: k_max for c in CHOICES}
+        best: dict[str, tuple[int, float]] = {}
+        for k in range(k_max, 0, -1):
+            for c, r in self.model_rates(batch, k, self.tree_budget(batch, k, budget)).items():
+                if c not in best or r > best[c][1] * (1 + self.k_margin):
+                    best[c] = (k, r)
+        return {c: k for c, (k, _) in best.items()}
+
+    def rates(self, batch: int, k: int, budget: int, ks: dict[str, int] | None = None) -> dict[str, float]:
         """Predicted tokens/s per sequence for each choice: what it measured at this batch-size
         bucket, once it has ``MEASURED`` rounds there; else the formula times its calibration.
+        ``ks``: each choice's own K (``best_k``; ``budget`` is then the cap each K's tree budget
+        is found under); None: every choice at ``k`` and ``budget``.
         (Formula times factor at a measured bucket let one choice's rounds move another's rate:
         SD rounds beside the drafter slowed the target's 8-row forwards, the cost curve rose, and
         AR's rate at 8 users fell from 3.3 to 2.2 tokens/s without a single AR round.)"""
         bk, out = _bucket(batch), {}
         for c, r in self.model_rates(batch, k, budget).items():
+            if ks is not None:
+                kc = ks.get(c, k)
+                r = self.model_rates(batch, kc, self.tree_budget(batch, kc, budget))[c]
             m = self._measured_here(c, bk)
             out[c] = m.rate if m is not None else r * self.factor(c, batch)
         return out
@@ -209,12 +234,14 @@ class ModePolicy:
                 self._calib(choice, None).update(ratio, w)
 
     def choose(self, batch: int, k: int, budget: int, allowed: tuple[str, ...] = CHOICES,
-               seq: str | None = None) -> Decision:
+               seq: str | None = None, adaptive_k: bool = False) -> Decision:
         """The choice for the next round of sequence ``seq``, among ``allowed`` (a request may pin
         its mode). The choice is made once per round of the batch: a round starts when a sequence
         asks again (or when ``seq`` is None), and every sequence asking within it gets the same
         answer, so a switch or a probe moves the whole batch at once instead of mixing choices
-        within a round (mixed rounds slow each other and mislead the calibration)."""
+        within a round (mixed rounds slow each other and mislead the calibration).
+        ``adaptive_k``: ``k`` is the most a round may draft and ``budget`` the most branches;
+        the decision carries each choice's K (``best_k``) and its rates are predicted at those."""
         if self.forced_mode and self.forced_mode in allowed:
             return _decision(self.forced_mode, "forced")
         if self.forced_backup:
@@ -227,21 +254,24 @@ class ModePolicy:
             return _decision(first, "warmup")
         if seq is None or seq in self._asked or self._round is None:
             self._asked.clear()
-            self._round = self._next_round(batch, k, budget, allowed)
+            self._round = self._next_round(batch, k, budget, allowed, adaptive_k)
         self._asked.add(seq)
         d = self._round
         if d.choice not in allowed:  # a request with other options than the one that opened the round
             best = max(allowed, key=lambda c: d.rates[c])
-            return _decision(best, "policy", d.rates)
-        return _decision(d.choice, d.reason, d.rates)
+            return _decision(best, "policy", d.rates, d.ks)
+        return _decision(d.choice, d.reason, d.rates, d.ks)
 
-    def _next_round(self, batch: int, k: int, budget: int, allowed: tuple[str, ...]) -> Decision:
+    def _next_round(self, batch: int, k: int, budget: int, allowed: tuple[str, ...], adaptive_k: bool) -> Decision:
         self.rounds += 1
         bk = _bucket(batch)
-        rates = self.rates(batch, k, budget)
+        ks = self.best_k(batch, k, budget) if adaptive_k else None
+        rates = self.rates(batch, k, budget, ks)
         d = self._next_decision(batch, bk, rates, allowed)
+        d.ks = ks or {}
         if self.trace:
             self.trace({"ev": "decide", "round": self.rounds, "batch": batch, "k": k, "budget": budget,
+                        "ks": d.ks,
                         "choice": d.choice, "reason": d.reason, "rates": {c: round(r, 3) for c, r in rates.items()},
                         "model": {c: round(r, 3) for c, r in self.model_rates(batch, k, budget).items()},
                         "p": {s: round(e.value, 3) for s, e in self.p_hit.items()},
@@ -377,6 +407,6 @@ def _nearest(table: dict, choice: str, bucket: int, least: float):
     return None if b is None else table[(choice, b)]
 
 
-def _decision(choice: str, reason: str, rates: dict | None = None) -> Decision:
+def _decision(choice: str, reason: str, rates: dict | None = None, ks: dict | None = None) -> Decision:
     mode, _, backup = choice.partition("+")
-    return Decision(mode, backup or "neural", reason, rates or {})
+    return Decision(mode, backup or "neural", reason, rates or {}, dict(ks or {}))

@@ -30,11 +30,14 @@ class RequestStats:
     backup_reasons: Counter = field(default_factory=Counter)
     budgets: Counter = field(default_factory=Counter)  # fan-out budget B -> SSD rounds run with it
     decisions: Counter = field(default_factory=Counter)  # "choice: reason" per round (ssd+neural, sd, ar...)
+    draft_lens: Counter = field(default_factory=Counter)  # K -> rounds that drafted K tokens (ModePolicy.best_k)
     last_rates: dict = field(default_factory=dict)  # the policy's predicted tokens/s per choice, last round
     degraded: str = ""  # set when a drafter failed and the request went on without it
 
-    def record_decision(self, choice: str, reason: str, rates: dict) -> None:
+    def record_decision(self, choice: str, reason: str, rates: dict, k: int = 0) -> None:
         self.decisions[f"{choice}: {reason}"] += 1
+        if k:
+            self.draft_lens[k] += 1
         if rates:
             self.last_rates = rates
 
@@ -82,6 +85,7 @@ class RequestStats:
             "backup_used": dict(Counter(s for s in self.source_per_round if s in ("neural", "fast"))),
             "backup_reasons": dict(self.backup_reasons),
             "fanout_budgets": {str(b): n for b, n in sorted(self.budgets.items())},
+            "draft_lens": {str(k): n for k, n in sorted(self.draft_lens.items())},
             "policy_decisions": dict(self.decisions),
             "rounds_by_choice": dict(Counter(k.split(":")[0] for k in self.decisions.elements())),
             "policy_rates_tok_s": {k: round(v, 3) for k, v in self.last_rates.items()},

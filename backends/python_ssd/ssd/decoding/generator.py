@@ -48,6 +48,7 @@ class DecodeConfig:
     saguaro_c: float = 1.0
     backup: str = "auto"
     step_aside: bool = True  # ssd only: the policy may run SD or AR rounds when they predict more
+    adaptive_k: bool = True  # ssd only: k is the most a round drafts; the policy picks K <= k per choice
 
     def allowed(self) -> tuple[str, ...]:
         """The choices the policy may make for this request."""
@@ -116,7 +117,7 @@ class Generation:
         self.shared = shared or SharedState()
         self.stats = RequestStats(mode=cfg.mode, draft_len=0 if cfg.mode == "ar" else cfg.k)
         self.round = 0
-        self.k = cfg.k  # this round's draft length (SharedState.round_k)
+        self.k = cfg.k  # this round's draft length (SharedState.round_k, ModePolicy.best_k)
         self.drafter_ok = True
         self.last_choice = ""  # the policy's choice for the previous round
 
@@ -234,11 +235,18 @@ class Generation:
             spec_out = None
         return verify_out, spec_out
 
-    def _decide(self, budget: int) -> Decision:
-        allowed = self.cfg.allowed()
+    def _decide(self, k_max: int) -> Decision:
+        """This round's choice and K. An ssd request with ``adaptive_k`` lets the policy pick each
+        choice's K up to the request's (``ModePolicy.best_k``); sd and ar requests are baselines
+        and draft exactly the K they asked for (lowered only by ``SharedState.round_k``)."""
+        cfg, pol, active = self.cfg, self.shared.policy, self.shared.active
+        allowed = cfg.allowed()
         if not self.drafter_ok:  # only the target and the n-gram backup are left
-            allowed = ("ar",) if self.cfg.mode == "ar" else ("ssd+fast", "ar")
-        d = self.shared.policy.choose(self.shared.active, self.k, budget, allowed, self.seq_id)
+            allowed = ("ar",) if cfg.mode == "ar" else ("ssd+fast", "ar")
+        adaptive = cfg.adaptive_k and cfg.mode == "ssd"
+        budget = cfg.fanout_budget if adaptive else pol.tree_budget(active, k_max, cfg.fanout_budget)
+        d = pol.choose(active, k_max, budget, allowed, self.seq_id, adaptive_k=adaptive)
+        self.k = min(d.ks.get(d.choice, k_max), k_max) if adaptive else k_max
         if not self.drafter_ok:
             d.reason = "drafter down"
         return d
@@ -249,10 +257,9 @@ class Generation:
         cached: DraftResult | None = None  # this round's draft, pre-drafted by the last speculation
         while True:
             t_round, mark = time.perf_counter(), self.shared.prefill_mark()
-            self.k = self.shared.round_k(cfg.k)
+            d = self._decide(self.shared.round_k(cfg.k))
             budget = pol.tree_budget(self.shared.active, self.k, cfg.fanout_budget)
-            d = self._decide(budget)
-            self.stats.record_decision(d.choice, d.reason, d.rates)
+            self.stats.record_decision(d.choice, d.reason, d.rates, 0 if d.mode == "ar" else self.k)
             fanout = allocate(cfg.fanout_shape, self.k, budget, est)
             if d.mode == "ar":
                 draft, source = DraftResult([], None), "none"

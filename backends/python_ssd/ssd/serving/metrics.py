@@ -24,6 +24,7 @@ class Metrics:
             "current": fam("ssd_policy_current_choice", "1 for the choice the policy currently runs", G),
             "active": fam("ssd_active_requests", "Requests currently decoding (the batch the policy plans for)", G),
             "queue": fam("ssd_rejected_busy_total", "Requests refused because the server was at capacity", C),
+            "klen": fam("ssd_draft_len_rounds_total", "Rounds that drafted k tokens (the policy's K per choice)", C),
             "bstar": fam("ssd_policy_b_star", "Smallest batch size at which the fast backup wins (0: never)", G),
         }
         self._hist = None
@@ -69,6 +70,8 @@ class Metrics:
         for key, n in stats["policy_decisions"].items():
             choice, _, reason = key.partition(": ")
             self._metric("policy", choice=choice, reason=reason).increment(n)
+        for k, n in stats["draft_lens"].items():
+            self._metric("klen", k=k).increment(n)
         if self._hist is not None:
             h = self._metric("hist", mode=mode)
             for a in stats["accepted_per_round"]:

@@ -37,7 +37,8 @@ class OrchestratorModel:
             mode=_p(params, "default_mode", "ssd"), k=int(_p(params, "num_draft_tokens", "4")),
             fanout_budget=int(_p(params, "fanout_budget", "12")), fanout_shape=_p(params, "fanout_shape", "geometric"),
             saguaro_c=float(_p(params, "saguaro_c", "1.0")), backup=_p(params, "backup", "auto"),
-            step_aside=_p(params, "step_aside", "true").lower() == "true")
+            step_aside=_p(params, "step_aside", "true").lower() == "true",
+            adaptive_k=_p(params, "adaptive_k", "true").lower() == "true")
         self.defaults.validate()
         forced, force_mode = _p(params, "force_backup", ""), _p(params, "force_mode", "")
         if forced not in ("", "neural", "fast"):
@@ -129,10 +130,11 @@ class OrchestratorModel:
             stats["b_star"] = pol.b_star(dc.k, dc.fanout_budget)
             # counters first: a client that reads /metrics right after its response sees itself
             self.metrics.request_done(req.decode.mode, status, stats, stats["b_star"])
-            k_now = self.shared.round_k(dc.k)
-            self.metrics.policy_state(pol.current, pol.rates(max(self.active, 1), k_now,
-                                                             pol.tree_budget(self.active, k_now, dc.fanout_budget))
-                                      if pol.target.known and pol.drafter.known else {})
+            b, k_now = max(self.active, 1), self.shared.round_k(dc.k)
+            rates = {}
+            if pol.target.known and pol.drafter.known:  # at each choice's K, as the next round sees them
+                rates = pol.rates(b, k_now, dc.fanout_budget, pol.best_k(b, k_now, dc.fanout_budget))
+            self.metrics.policy_state(pol.current, rates)
             if status == "cancelled":
                 sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             else:

@@ -93,10 +93,11 @@ def parse_request(request, defaults: DecodeConfig, default_max_tokens: int, max_
     c = _scalar(request, "saguaro_c", float, defaults.saguaro_c)
     _check(0.0 <= c <= 1.0, "saguaro_c", f"must be in [0, 1], got {c}")
     step_aside = _scalar(request, "step_aside", bool, defaults.step_aside)
+    adaptive_k = _scalar(request, "adaptive_k", bool, defaults.adaptive_k)
     return GenerateRequest(
         text=text, max_tokens=max_tokens, params=SamplingParams(temperature, top_p, top_k), seed=seed,
         stop=stop, stream=_scalar(request, "stream", bool, False),
         apply_chat_template=_scalar(request, "apply_chat_template", bool, True),
         decode=DecodeConfig(mode=mode, k=k, fanout_budget=budget, fanout_shape=shape, saguaro_c=c, backup=backup,
-                            step_aside=step_aside),
+                            step_aside=step_aside, adaptive_k=adaptive_k),
     )
