@@ -62,13 +62,15 @@ def engine_root() -> Path:
 
 @pytest.fixture(scope="session")
 def engines(engine_root):
-    """In-process engines: (target fp32, strong drafter bf16, weak drafter fp32)."""
+    """In-process engines: target fp32, strong drafter bf16, weak drafter fp32, and the strong one
+    with int8 weights (the default drafter's setting)."""
     from ssd.engine.engine import TorchEngine
 
     return {
         "target": TorchEngine(engine_root / TARGET, dtype="float32"),
         "strong": TorchEngine(engine_root / TARGET, dtype="bfloat16"),
         "weak": TorchEngine(engine_root / WEAK, dtype="float32"),
+        "int8": TorchEngine(engine_root / TARGET, dtype="bfloat16", exact=False, weight_quant="int8"),
     }
 
 

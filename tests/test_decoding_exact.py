@@ -48,6 +48,7 @@ CONFIGS = [  # (drafter, decode config): K, fan-out shape and budget, backup kin
     ("strong", dict(mode="ssd", k=3, backup="neural", step_aside=False)),
     ("weak", dict(mode="ssd", k=5, saguaro_c=0.0, fanout_budget=12, step_aside=False)),
     ("strong", dict(mode="ssd", k=4)),  # the policy picks SSD / SD / AR per round from what it measures
+    ("int8", dict(mode="sd", k=3)), ("int8", dict(mode="ssd", k=4, step_aside=False)),  # int8 drafter weights
 ]
 
 
@@ -139,16 +140,20 @@ def test_both_hits_and_misses_happen(engines, codec):
     assert sum(h for h, _ in totals.values()) > 0 and sum(m for _, m in totals.values()) > 0, totals
 
 
-def cycling_shared(order):
-    """Server state whose policy switches the choice every round, through ``order``."""
+def cycling_shared(order, ks=()):
+    """Server state whose policy switches the choice every round, through ``order`` (and K through
+    ``ks``, when given)."""
     from ssd.algorithm.policy import ModePolicy
     from ssd.decoding.generator import SharedState
 
     class CyclingPolicy(ModePolicy):
-        def choose(self, batch, k, budget, allowed, seq=None):
+        def choose(self, batch, k, budget, allowed, seq=None, adaptive_k=False):
             self.forced_mode = order[self.rounds % len(order)]
+            d = super().choose(batch, k, budget, allowed, seq, adaptive_k)
+            if ks:  # each round's K too, as an adaptive policy may pick it
+                d.ks = {d.choice: ks[self.rounds % len(ks)]}
             self.rounds += 1
-            return super().choose(batch, k, budget, allowed, seq)
+            return d
 
     pol = CyclingPolicy()
     pol.rounds = 0
@@ -174,6 +179,21 @@ def test_switching_modes_between_rounds_is_exact(engines, codec, ar_outputs, dra
         seen |= set(g.stats.to_dict()["rounds_by_choice"])
         assert set(g.stats.source_per_round) <= {"cache", "neural", "fast", "draft", "none"}
     assert seen == {"ssd+neural", "ssd+fast", "sd", "ar"}
+
+
+def test_changing_k_between_ssd_rounds_is_exact(engines, codec, ar_outputs):
+    """The policy's K per round (ModePolicy.best_k) moves up and down between SSD rounds: a cached
+    draft from a longer K is cut, one from a shorter K is verified as it is; same tokens."""
+    from ssd.decoding.generator import DecodeConfig
+
+    client = _client(engines, "strong")
+    for prompt, ref in zip(PROMPTS, ar_outputs):
+        shared = cycling_shared(["ssd+neural", "ssd+neural", "ssd+fast", "ssd+neural"], ks=[4, 1, 3, 2, 4, 4, 1])
+        out, g = asyncio.run(_generate(client, codec.encode_prompt(prompt), DecodeConfig(mode="ssd", k=4),
+                                       shared=shared))
+        assert out == ref, f"changing K diverged on {prompt!r}"
+        assert set(g.stats.draft_lens) == {1, 2, 3, 4}
+        assert g.stats.hits > 0  # cached drafts were used across K changes
 
 
 class RecordingClient:

@@ -43,7 +43,8 @@ def model_params(model: str) -> dict[str, str]:
 
 def load_engine(folder: Path, p: dict[str, str]) -> TorchEngine:
     return TorchEngine(folder, dtype=p.get("dtype") or None, threads=1,
-                       exact=p.get("batch_invariant", "true") == "true", head_vocab=int(p.get("head_vocab") or 0))
+                       exact=p.get("batch_invariant", "true") == "true", head_vocab=int(p.get("head_vocab") or 0),
+                       weight_quant=p.get("weight_quant") or "")
 
 
 class PinnedClient(LocalClient):

@@ -75,10 +75,16 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class TorchEngine:
     def __init__(self, folder: str | os.PathLike, dtype: str | None = None, threads: int | None = None,
                  exact: bool = True, max_sequences: int = 64, max_len: int | None = None,
-                 head_vocab: int = 0, device: str = "cpu"):
+                 head_vocab: int = 0, device: str = "cpu", weight_quant: str = ""):
         """``exact``: extend forwards are batch-invariant (model.invariant_tiles): a row's logits
         are bit-identical in any mode and any batch, in bf16 too. ``device``: "cpu" or a CUDA
-        device; logits always come back on the CPU, where sampling and verification run."""
+        device; logits always come back on the CPU, where sampling and verification run.
+        ``weight_quant``: "" (the weights in ``dtype``) or "int8" (model.Linear; CPU, drafters:
+        it changes the logits, so never for an exact target)."""
+        if weight_quant not in ("", "int8"):
+            raise ValueError(f"weight_quant must be '' or 'int8', got {weight_quant!r}")
+        if weight_quant and exact:
+            raise ValueError("weight_quant 'int8' changes the logits: it needs batch_invariant false (a drafter)")
         if threads:
             torch.set_num_threads(int(threads))
         folder = Path(folder)
@@ -92,7 +98,8 @@ class TorchEngine:
         self.dtype = DTYPES[dtype]
         weights = load_file(str(folder / "model.safetensors"))
         self.device = torch.device(device)
-        self.model = Transformer(self.config, weights, self.dtype, head_vocab=head_vocab, device=self.device)
+        self.model = Transformer(self.config, weights, self.dtype, head_vocab=head_vocab, device=self.device,
+                                 int8=weight_quant == "int8")
         del weights
         _release_freed_memory()
         eos = hf.get("eos_token_id", [])

@@ -29,7 +29,7 @@ def build_worker(role: str, params: dict[str, str], engine_dir: str | None):
                          exact=params.get("batch_invariant", "true").lower() == "true",
                          max_sequences=int(params.get("max_sequences") or 64),
                          head_vocab=int(params.get("head_vocab") or 0),
-                         device=params.get("device") or "cpu")
+                         device=params.get("device") or "cpu", weight_quant=params.get("weight_quant") or "")
     if role == "target":
         from .target import TargetWorker
         return TargetWorker(engine)
