@@ -36,23 +36,17 @@ after a change of choice (it pays for the switch: the drafter catching up, no ca
 keeps a request's first round and rounds that another request's prefill overlapped out of the
 calibration (not out of the choice's own record: see ``observe_round``). So the formulas extrapolate
 and the measurements decide. Statistics only come from running a choice, so one that has not run at
-this batch size for a while gets a probe (``explore``): every sequence runs it for the next 3
-rounds, so it is measured the way it would run (a lone SSD round among SD rounds would stall the
-drafter for the whole batch) and 2 of them measure it (the first pays for the switch); 1 probe per 8
-rounds while the choice has fewer than 2 measured rounds there, 1 per 256 after, never while even
-``explore_margin`` times its prediction stays below the best one (a choice that never ran anywhere
-gets one probe whatever it predicts), and no more often than its price allows (a probe of a choice
-predicted at 70% of the best gives up 0.9 of its rounds, each as long as that choice's rounds
-measured, in units of the current choice's rounds; probes may spend 3% of the time). A new choice
-must predict ``hysteresis`` more than the current one, and a choice stays at least ``min_dwell``
-rounds: every switch into SSD costs a round without a cached draft, so flapping on noise would cost
-more than it gains. Two rules keep stale or borrowed evidence from moving the batch: the step-aside
+this batch size for a while gets a 3-round probe (``explore``, priced and spaced: ``_probe_due``).
+A new choice must predict ``hysteresis`` more than the current one, and a choice stays at least
+``min_dwell`` rounds: every switch into SSD costs a round without a cached draft, so flapping on
+noise would cost more than it gains. Two rules keep stale or borrowed evidence from moving the batch: the step-aside
 ladder (a choice that a later one in CHOICES beat, by more than the hysteresis, at the nearest
 smaller batch size where it was measured is neither probed nor chosen at a larger one, until it has
 a record there) and confirmation (a switch to a choice whose record here is ``stale_after`` rounds
 old waits for a probe of it, reason "confirm", whose rounds outweigh the old ones: a machine that
 slows down shows in the running choice's record alone). Decisions are made once per round of the
-whole batch (``choose``), not per sequence.
+whole batch (``choose``), not per sequence; with ``adaptive_k`` each choice also gets its own K
+(``best_k``).
 """
 from __future__ import annotations
 
@@ -312,7 +306,9 @@ class ModePolicy:
         sooner than its price allows: a probe gives up ``probe_rounds * (1 - rate / top)`` rounds
         of the best choice (cheap when it is nearly as good, dear at a large batch where SD's
         verify rows cost several AR steps), and the probes of all ``others`` choices together may
-        spend ``explore_budget`` of the rounds."""
+        spend ``explore_budget`` of the rounds. A probe moves the whole batch for ``probe_rounds``
+        rounds (a lone SSD round among SD rounds would stall the drafter for every sequence); the
+        first pays for the switch, the others measure."""
         if choice == self.current:
             return False
         # never run at any batch size: its prediction is the formula alone, which can be far off
