@@ -76,7 +76,7 @@ def test_capped_round_k_is_exact(engines, codec, ar_outputs, mode):
     for prompt, ref in zip(PROMPTS, ar_outputs):
         shared = SharedState(max_verify_rows=3)
         out, g = asyncio.run(_generate(client, codec.encode_prompt(prompt),
-                                       DecodeConfig(mode=mode, k=4, step_aside=False), shared=shared))
+                                       DecodeConfig(mode=mode, k=4, step_aside=False, adaptive_k=False), shared=shared))
         assert out == ref
         assert max(g.stats.tokens_per_round) == 3 and g.k == 2
 
@@ -220,7 +220,7 @@ def test_cache_hit_exactly_when_outcome_cached(engines, codec):
 
     client = RecordingClient(_client(engines, "strong"))
     prompt = codec.encode_prompt(PROMPTS[0])
-    g = Generation(client, "hitcheck", prompt, SamplingParams(), 0, DecodeConfig(mode="ssd", k=3, fanout_budget=4,
+    g = Generation(client, "hitcheck", prompt, SamplingParams(), 0, DecodeConfig(mode="ssd", k=3, fanout_budget=4, adaptive_k=False,
                                                                                 step_aside=False))
     blocks = []
 
