@@ -184,6 +184,14 @@ class ModePolicy:
                     best[c] = (k, r)
         return {c: k for c, (k, _) in best.items()}
 
+    def _formula(self, batch: int, k: int, budget: int, ks: dict[str, int] | None) -> dict[str, float]:
+        """``model_rates`` per choice at its own K (``ks``, each K with its tree budget under
+        ``budget``), one evaluation per distinct K; None: every choice at ``k`` and ``budget``."""
+        if ks is None:
+            return self.model_rates(batch, k, budget)
+        at = {kc: self.model_rates(batch, kc, self.tree_budget(batch, kc, budget)) for kc in set(ks.values()) | {k}}
+        return {c: at[ks.get(c, k)][c] for c in CHOICES}
+
     def rates(self, batch: int, k: int, budget: int, ks: dict[str, int] | None = None) -> dict[str, float]:
         """Predicted tokens/s per sequence for each choice: what it measured at this batch-size
         bucket, once it has ``MEASURED`` rounds there; else the formula times its calibration.
@@ -193,10 +201,7 @@ class ModePolicy:
         SD rounds beside the drafter slowed the target's 8-row forwards, the cost curve rose, and
         AR's rate at 8 users fell from 3.3 to 2.2 tokens/s without a single AR round.)"""
         bk, out = _bucket(batch), {}
-        for c, r in self.model_rates(batch, k, budget).items():
-            if ks is not None:
-                kc = ks.get(c, k)
-                r = self.model_rates(batch, kc, self.tree_budget(batch, kc, budget))[c]
+        for c, r in self._formula(batch, k, budget, ks).items():
             m = self._measured_here(c, bk)
             out[c] = m.rate if m is not None else r * self.factor(c, batch)
         return out
@@ -267,7 +272,7 @@ class ModePolicy:
             self.trace({"ev": "decide", "round": self.rounds, "batch": batch, "k": k, "budget": budget,
                         "ks": d.ks,
                         "choice": d.choice, "reason": d.reason, "rates": {c: round(r, 3) for c, r in rates.items()},
-                        "model": {c: round(r, 3) for c, r in self.model_rates(batch, k, budget).items()},
+                        "model": {c: round(r, 3) for c, r in self._formula(batch, k, budget, ks).items()},
                         "p": {s: round(e.value, 3) for s, e in self.p_hit.items()},
                         "alpha": {"hit": round(self.e_hit.alpha, 3), "neural": round(self.e_miss["neural"].alpha, 3),
                                   "fast": round(self.e_miss["fast"].alpha, 3)},

@@ -167,7 +167,7 @@ class Transformer:
         """``head_vocab`` > 0 keeps only the first ``head_vocab`` rows of the output projection (a
         drafter option: BPE ids are ordered by merge rank, so the low ids are the frequent tokens;
         the rest get logit -inf, i.e. q = 0, which verification handles exactly). ``int8``: every
-        projection in int8 (Linear; a drafter option as well)."""
+        projection but down_proj in int8 (Linear; a drafter option as well)."""
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
