@@ -1,6 +1,7 @@
 """The torch engine against transformers, and its KV cache against full recomputation."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import PROMPTS, TARGET
@@ -99,12 +100,14 @@ def test_tree_rows_equal_linear_rows_and_commit(engines, codec):
     e.release("tree"), e.release("fresh2")
 
 
-def test_rows_are_batch_invariant_in_bf16(engine_root, codec):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_rows_are_batch_invariant(engine_root, codec, dtype):
     """A sequence's logits are bit-identical whether it runs alone or among many other sequences
-    (more than 32 rows in the forward, a long prefill among them): the exact mode's GEMM tiles."""
+    (more than 32 rows in the forward, a long prefill among them): the exact mode's GEMM tiles.
+    float32 is what a bf16 engine loads as on a CPU without a native bf16 GEMM (engine.load_dtype)."""
     from ssd.engine.engine import ExtendCall, TorchEngine
 
-    e = TorchEngine(engine_root / TARGET, dtype="bfloat16")
+    e = TorchEngine(engine_root / TARGET, dtype=dtype)
     ids = _ids(codec, 0)
     steps = [ids + [100 + i for i in range(j)] for j in range(1, 5)]  # decode, and 2..4-row verifies
 
@@ -168,12 +171,29 @@ def test_int8_weights_change_the_logits_but_not_the_argmax_much(engines, codec):
 
     ids = codec.encode_prompt("Write a Python function that returns the n-th Fibonacci number.")
     bf16 = engines["strong"].extend([ExtendCall("q-bf16", ids, len(ids))])[0]
-    int8 = engines["int8"].extend([ExtendCall("q-int8", ids, len(ids))])[0]
+    # one row per forward, teacher-forced over the prompt: how a drafter drafts
+    int8 = torch.stack([engines["int8"].extend([ExtendCall("q-int8", ids[:i], 1)])[0][0]
+                        for i in range(1, len(ids) + 1)])
     engines["strong"].release("q-bf16")
     engines["int8"].release("q-int8")
     assert not torch.equal(bf16, int8)
     agree = (bf16.argmax(-1) == int8.argmax(-1)).float().mean().item()
-    # measured 0.78 over this prompt's positions; 0.55 with down_proj in int8 too (model.Linear)
-    assert agree > 0.7, agree
+    # measured 0.91 on an AVX2-only EPYC; 0.59 there with 8-bit activations, which saturate fbgemm's
+    # AVX2 kernel (model._INT8_REDUCE_RANGE)
+    assert agree > 0.8, agree
     with _pytest.raises(ValueError, match="batch_invariant"):
         TorchEngine(engines["int8"].folder, weight_quant="int8")
+
+
+def test_bf16_engines_compute_in_float32_without_a_native_bf16_gemm():
+    """An engine built in bf16 computes in float32 on a CPU whose oneDNN cannot pack bf16 (AVX2
+    only: there a bf16 GEMM's cost grows with every row); an explicit dtype always wins."""
+    from ssd.engine.engine import load_dtype
+    from ssd.engine.model import packing_available
+
+    native = packing_available(torch.bfloat16)
+    assert load_dtype(None, "bfloat16") == (torch.bfloat16 if native else torch.float32)
+    assert load_dtype("auto", "bfloat16") == load_dtype(None, "bfloat16")
+    assert load_dtype(None, "bfloat16", "cuda") == torch.bfloat16  # GPUs compute bf16 natively
+    assert load_dtype("bfloat16", "float32") == torch.bfloat16
+    assert load_dtype(None, "float32") == torch.float32

@@ -9,6 +9,7 @@ row may see, so its reductions have the same length whichever way the row was sc
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -70,8 +71,18 @@ class RowBatch:
     logits_from: int = 0  # logits are returned for rows logits_from..n-1
 
 
-def _packing_available() -> bool:
-    return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
+@functools.cache
+def packing_available(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pack a weight of ``dtype`` on this CPU: its bf16 path needs AVX-512
+    (bw/vl/dq) or AVX-NE-CONVERT, and an AVX2-only CPU refuses it at load time; such a CPU runs
+    the plain GEMM (tried once on a small weight, so whatever oneDNN requires is what decides)."""
+    if not (hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 8)
+        return True
+    except RuntimeError:
+        return False
 
 
 # Batch invariance. oneDNN's bf16 GEMM gives a row the same bits for any row count from 2 to 32
@@ -112,6 +123,12 @@ def _int8_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
+# fbgemm multiplies u8 activations by s8 weights with vpmaddubsw where the CPU lacks AVX-512 VNNI,
+# which sums pairs into int16 and saturates: on an AVX2-only EPYC the int8 drafter's top-1 agreed
+# with bf16 on 0.25 of a prompt's positions. 7-bit activations (reduce_range) cannot overflow it.
+_INT8_REDUCE_RANGE = not torch.cpu._is_vnni_supported()
+
+
 def _int8_prepack(weight: torch.Tensor, bias: torch.Tensor | None):
     """int8 weights, one scale per output channel (symmetric), packed for fbgemm's dynamic GEMM."""
     torch.backends.quantized.engine = "fbgemm"
@@ -135,7 +152,7 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, int8: bool = False):
         self.bias = bias
         self.int8 = int8 and weight.device.type == "cpu" and _int8_available()
-        self.packed = not self.int8 and pack and weight.device.type == "cpu" and _packing_available()
+        self.packed = not self.int8 and pack and weight.device.type == "cpu" and packing_available(weight.dtype)
         if self.int8:
             self.weight = _int8_prepack(weight, bias)
         else:
@@ -143,7 +160,7 @@ class Linear:
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8:
-            return torch.ops.quantized.linear_dynamic(x.float(), self.weight, False).to(x.dtype)
+            return torch.ops.quantized.linear_dynamic(x.float(), self.weight, _INT8_REDUCE_RANGE).to(x.dtype)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
