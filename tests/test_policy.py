@@ -21,13 +21,13 @@ def _policy(e_draft: float = 3.6, e_hit: float = 3.9, p_hit: float = 0.8, drafte
     """A policy that has measured a bandwidth-bound-then-compute-bound target and drafter."""
     pol = ModePolicy()
     for rows, s in ((1, 0.30), (8, 0.30), (32, 0.33), (128, 1.2), (512, 4.8)):
-        pol.target.observe(rows, s)
+        pol.model.target.observe(rows, s)
     for rows, s in ((1, 0.08), (8, 0.08), (32, 0.10), (128, 0.40), (512, 1.6)):
-        pol.drafter.observe(rows, s * drafter_scale)
-    pol.p_hit["model"].value = pol.p_hit["fast"].value = p_hit
-    pol.e_hit.alpha = _alpha(e_hit)
-    pol.e_miss["neural"].alpha, pol.e_miss["fast"].alpha, pol.t_fast.value = _alpha(e_draft), _alpha(1.5), 0.003
-    pol.e_hit.count = 1
+        pol.model.drafter.observe(rows, s * drafter_scale)
+    pol.model.p_hit["model"].value = pol.model.p_hit["fast"].value = p_hit
+    pol.model.e_hit.alpha = _alpha(e_hit)
+    pol.model.e_miss["neural"].alpha, pol.model.e_miss["fast"].alpha, pol.model.t_fast.value = _alpha(e_draft), _alpha(1.5), 0.003
+    pol.model.e_hit.count = 1
     pol.explore_new = pol.explore_every = 10**9  # these tests check the prediction, not exploration
     pol.min_dwell = 0
     return pol
@@ -86,24 +86,24 @@ def test_hit_rate_is_learned_per_draft_source():
     both = ("ssd+neural", "ssd+fast")
     assert pol.choose(1, 4, 8, both).choice == "ssd+neural"  # one rate for both: neural looks best
     for i in range(200):
-        pol.observe_lookup("cache", i % 2 == 0)  # model-quality drafts: half hit
-        pol.observe_lookup("neural", i % 2 == 0)
-        pol.observe_lookup("fast", i % 5 != 0)  # n-gram drafts: 4 in 5 hit
-    p_m, p_f = pol.p_hit["model"].value, pol.p_hit["fast"].value  # running means: near 0.5 and 0.8
+        pol.model.observe_lookup("cache", i % 2 == 0)  # model-quality drafts: half hit
+        pol.model.observe_lookup("neural", i % 2 == 0)
+        pol.model.observe_lookup("fast", i % 5 != 0)  # n-gram drafts: 4 in 5 hit
+    p_m, p_f = pol.model.p_hit["model"].value, pol.model.p_hit["fast"].value  # running means: near 0.5 and 0.8
     assert abs(p_m - 0.5) < 0.08 and abs(p_f - 0.8) < 0.08
-    assert pol.hit_share("neural") == p_m and abs(pol.hit_share("fast") - p_f / (1 - p_m + p_f)) < 1e-12
+    assert pol.model.hit_share("neural") == p_m and abs(pol.model.hit_share("fast") - p_f / (1 - p_m + p_f)) < 1e-12
     assert pol.choose(1, 4, 8, both).choice == "ssd+fast"
 
 
 def test_tree_budget_shrinks_when_branches_stop_being_free():
     pol = _policy()
-    assert pol.tree_budget(1, 4, 8) == 8 and pol.tree_budget(1, 4, 16) == 16  # weight-bound: branches ride free
+    assert pol.model.tree_budget(1, 4, 8) == 8 and pol.model.tree_budget(1, 4, 16) == 16  # weight-bound: branches ride free
     # batch 16, K = 1: 16 x 8 = 128 tree rows cost the drafter 0.3 s over the 32-row minimum, far
     # more than a quarter of the verify (0.33 s); 16 x 3 = 48 rows cost 0.05 s more, 16 x 4 0.1 s
-    assert pol.tree_budget(16, 1, 8) == 3
-    assert pol.tree_budget(64, 4, 8) == 5  # never below one branch per depth (K + 1)
-    assert pol.model_rates(16, 1, 3)["ssd+fast"] > pol.model_rates(16, 1, 8)["ssd+fast"]
-    assert ModePolicy().tree_budget(16, 1, 8) == 8  # nothing measured yet: the request's budget
+    assert pol.model.tree_budget(16, 1, 8) == 3
+    assert pol.model.tree_budget(64, 4, 8) == 5  # never below one branch per depth (K + 1)
+    assert pol.model.rates(16, 1, 3)["ssd+fast"] > pol.model.rates(16, 1, 8)["ssd+fast"]
+    assert ModePolicy().model.tree_budget(16, 1, 8) == 8  # nothing measured yet: the request's budget
 
 
 def test_policy_keeps_its_choice_within_hysteresis():
@@ -119,14 +119,14 @@ def test_policy_keeps_its_choice_within_hysteresis():
 
 def test_policy_calibrates_each_choice_and_batch_size_from_measured_rounds():
     pol = _policy()
-    model = pol.model_rates(4, 4, 8)
+    model = pol.model.rates(4, 4, 8)
     for _ in range(30):  # SD rounds at batch 4 run at half the predicted speed
         pol.observe_round("sd", 3, 3 / (0.5 * model["sd"]), 4, 4, 8)
     assert abs(pol.rates(4, 4, 8)["sd"] / model["sd"] - 0.5) < 1e-6
     assert pol.rates(4, 4, 8)["ar"] == model["ar"]  # other choices keep their own factor
     # batch 5 shares the 3-5 bucket; batch 16 has no rounds of its own yet: the choice's overall factor
     assert abs(pol.factor("sd", 5) - 0.5) < 1e-6 and abs(pol.factor("sd", 16) - 0.5) < 1e-6
-    model16 = pol.model_rates(16, 4, 8)
+    model16 = pol.model.rates(16, 4, 8)
     for _ in range(16):  # one round at batch 16 (16 sequences report it): not measured there yet
         pol.observe_round("sd", 3, 3 / model16["sd"], 16, 4, 8)
     assert abs(pol.factor("sd", 16) - 0.5) < 1e-6
@@ -137,9 +137,9 @@ def test_policy_calibrates_each_choice_and_batch_size_from_measured_rounds():
         pol.observe_round("sd", 3, 3 / (0.25 * model16["sd"]), 16, 4, 8)
     assert 0.9 < pol.factor("sd", 16) < 1.0
     for _ in range(30):  # SSD measured at batch 1 only (where it shines) and at batch 8
-        pol.observe_round("ssd+fast", 3, 3 / (2.0 * pol.model_rates(1, 4, 8)["ssd+fast"]), 1, 4, 8)
+        pol.observe_round("ssd+fast", 3, 3 / (2.0 * pol.model.rates(1, 4, 8)["ssd+fast"]), 1, 4, 8)
     for _ in range(8 * 3):  # 3 rounds at batch 8
-        pol.observe_round("ssd+fast", 3, 3 / (0.6 * pol.model_rates(8, 4, 8)["ssd+fast"]), 8, 4, 8)
+        pol.observe_round("ssd+fast", 3, 3 / (0.6 * pol.model.rates(8, 4, 8)["ssd+fast"]), 8, 4, 8)
     # batch 16 has no SSD rounds: batch 8's factor, not the overall one that batch 1 dominates
     assert abs(pol.factor("ssd+fast", 16) - 0.6) < 1e-6 and pol.factor("ssd+fast", 2) > 1.5
 
@@ -154,7 +154,7 @@ def test_a_measured_choice_keeps_its_rate_when_the_cost_curve_moves():
     assert abs(pol.rates(8, 4, 8)["ar"] - 1 / 0.3) < 1e-6
     before = pol.rates(32, 4, 8)["ar"]
     for _ in range(50):  # the target's forwards get slower (SD rounds beside the drafter)
-        pol.observe_timing("target", [[8, 0.6], [32, 2.0]])
+        pol.model.observe_timing("target", [[8, 0.6], [32, 2.0]])
     assert abs(pol.rates(8, 4, 8)["ar"] - 1 / 0.3) < 1e-6
     assert pol.rates(32, 4, 8)["ar"] < 0.8 * before
 
@@ -245,7 +245,7 @@ def test_policy_dwells_before_switching_again():
     pol.current, pol.switched_at, pol.rounds = "ar", 0, 100  # long settled on a poor choice
     assert pol.choose(1, 4, 8).choice != "ar"  # switches at once
     better = pol.current
-    pol.e_miss["neural"].alpha = pol.e_hit.alpha = 0.0  # drafts turn useless: AR is best now
+    pol.model.e_miss["neural"].alpha = pol.model.e_hit.alpha = 0.0  # drafts turn useless: AR is best now
     assert pol.choose(1, 4, 8).choice == better  # but the last switch was just now: it stays
     for _ in range(16):
         d = pol.choose(1, 4, 8)
@@ -259,7 +259,7 @@ def test_policy_explores_choices_it_has_not_measured():
     for _ in range(300):
         d = pol.choose(1, 4, 8)
         seen.append(d)
-        pol.observe_round(d.choice, 3, 3 / pol.model_rates(1, 4, 8)[d.choice], 1, 4, 8)  # as predicted
+        pol.observe_round(d.choice, 3, 3 / pol.model.rates(1, 4, 8)[d.choice], 1, 4, 8)  # as predicted
     explored = [d.choice for d in seen if d.reason == "explore"]
     # every choice the policy does not run got tried until it had 2 measured rounds, except AR: once
     # it was measured (its one probe as a choice that never ran), even 1.5x its prediction is far off
@@ -282,7 +282,7 @@ def test_policy_decides_once_per_round_of_the_batch():
         for i in range(16):
             d = pol.choose(16, 4, 8, seq=f"s{i}")
             seen.append(d)
-            pol.observe_round(d.choice, 3, 3 / pol.model_rates(16, 4, 8)[d.choice], 16, 4, 8)
+            pol.observe_round(d.choice, 3, 3 / pol.model.rates(16, 4, 8)[d.choice], 16, 4, 8)
         assert len({(d.choice, d.reason) for d in seen}) == 1  # one choice per round
         rounds.append(seen[0])
     assert pol.rounds == 300
@@ -303,7 +303,7 @@ def test_policy_prices_probes():
     for _ in range(2000):
         d = pol.choose(8, 4, 8)
         seen.append(d)
-        pol.observe_round(d.choice, 3, 3 / pol.model_rates(8, 4, 8)[d.choice], 8, 4, 8)
+        pol.observe_round(d.choice, 3, 3 / pol.model.rates(8, 4, 8)[d.choice], 8, 4, 8)
     rates = pol.rates(8, 4, 8)
     top = max(rates.values())
     probes = [d.choice for d in seen if d.reason == "explore"]
@@ -317,9 +317,9 @@ def test_policy_warms_up_and_respects_pins():
     d = pol.choose(8, 4, 8)
     assert (d.choice, d.reason) == ("ssd+neural", "warmup")  # nothing measured yet
     fresh, measured = _policy(), _policy()
-    fresh.e_hit.count, fresh.e_hit.alpha = 0, 0.1  # SSD never ran: E_hit is taken as E_sd
-    measured.e_hit.alpha = measured.e_miss["neural"].alpha
-    assert fresh.model_rates(1, 4, 8) == measured.model_rates(1, 4, 8)
+    fresh.model.e_hit.count, fresh.model.e_hit.alpha = 0, 0.1  # SSD never ran: E_hit is taken as E_sd
+    measured.model.e_hit.alpha = measured.model.e_miss["neural"].alpha
+    assert fresh.model.rates(1, 4, 8) == measured.model.rates(1, 4, 8)
     assert pol.choose(8, 4, 8, ("sd",)).choice == "sd"  # a request pinned to sd
     assert ModePolicy(forced_mode="ar").choose(1, 4, 8).choice == "ar"
 
@@ -350,12 +350,12 @@ def _verify_bound_policy(drafter_row_cost: float) -> ModePolicy:
     per row."""
     pol = ModePolicy()
     for rows, s in ((1, 0.100), (2, 0.100), (4, 0.105), (8, 0.115), (32, 0.20)):
-        pol.target.observe(rows, s)
+        pol.model.target.observe(rows, s)
     for rows in (1, 2, 4, 8, 16, 32):
-        pol.drafter.observe(rows, 0.022 + drafter_row_cost * rows)
-    pol.p_hit["model"].value = pol.p_hit["fast"].value = 0.65
-    pol.e_hit.alpha = pol.e_miss["neural"].alpha = 0.8
-    pol.e_hit.count = 1
+        pol.model.drafter.observe(rows, 0.022 + drafter_row_cost * rows)
+    pol.model.p_hit["model"].value = pol.model.p_hit["fast"].value = 0.65
+    pol.model.e_hit.alpha = pol.model.e_miss["neural"].alpha = 0.8
+    pol.model.e_hit.count = 1
     return pol
 
 
@@ -363,19 +363,19 @@ def test_each_choice_drafts_the_k_that_predicts_the_most():
     # tree rows cost 2 ms each: a speculation of K steps over 12 branches outlasts the verify from
     # K = 2 on, so SSD drafts less than the request's K = 4, and gains over SSD at K = 4
     pol = _verify_bound_policy(0.002)
-    ks = pol.best_k(1, 4, 12)
+    ks = pol.model.best_k(1, 4, 12)
     assert ks["ssd+neural"] < 4
-    at_4 = pol.model_rates(1, 4, pol.tree_budget(1, 4, 12))["ssd+neural"]
+    at_4 = pol.model.rates(1, 4, pol.model.tree_budget(1, 4, 12))["ssd+neural"]
     k = ks["ssd+neural"]
-    assert pol.model_rates(1, k, pol.tree_budget(1, k, 12))["ssd+neural"] > at_4 * (1 + pol.k_margin)
+    assert pol.model.rates(1, k, pol.model.tree_budget(1, k, 12))["ssd+neural"] > at_4 * (1 + pol.model.k_margin)
     adaptive = pol.rates(1, 4, 12, ks)
-    assert adaptive["ssd+neural"] > pol.rates(1, 4, pol.tree_budget(1, 4, 12))["ssd+neural"]
+    assert adaptive["ssd+neural"] > pol.rates(1, 4, pol.model.tree_budget(1, 4, 12))["ssd+neural"]
     d = pol.choose(1, 4, 12, adaptive_k=True)
     assert d.ks == ks and d.rates == adaptive
     assert pol.choose(1, 4, 12).ks == {}  # a round opened without adaptive_k: every choice at the request's K
     # free drafter rows: the speculation fits inside the verify at every K, so the longest K wins
     free = _verify_bound_policy(0.0)
-    free.drafter = StepCost()
-    free.drafter.observe(1, 0.001)
-    assert free.best_k(1, 4, 12)["ssd+neural"] == 4 and free.best_k(1, 4, 12)["sd"] == 4
-    assert ModePolicy().best_k(1, 4, 12) == {c: 4 for c in CHOICES}  # nothing measured: the request's K
+    free.model.drafter = StepCost()
+    free.model.drafter.observe(1, 0.001)
+    assert free.model.best_k(1, 4, 12)["ssd+neural"] == 4 and free.model.best_k(1, 4, 12)["sd"] == 4
+    assert ModePolicy().model.best_k(1, 4, 12) == {c: 4 for c in CHOICES}  # nothing measured: the request's K

@@ -30,7 +30,7 @@ class RequestStats:
     backup_reasons: Counter = field(default_factory=Counter)
     budgets: Counter = field(default_factory=Counter)  # fan-out budget B -> SSD rounds run with it
     decisions: Counter = field(default_factory=Counter)  # "choice: reason" per round (ssd+neural, sd, ar...)
-    draft_lens: Counter = field(default_factory=Counter)  # K -> rounds that drafted K tokens (ModePolicy.best_k)
+    draft_lens: Counter = field(default_factory=Counter)  # K -> rounds that drafted K tokens (SpeedupModel.best_k)
     last_rates: dict = field(default_factory=dict)  # the policy's predicted tokens/s per choice, last round
     degraded: str = ""  # set when a drafter failed and the request went on without it
 

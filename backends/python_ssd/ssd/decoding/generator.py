@@ -117,7 +117,7 @@ class Generation:
         self.shared = shared or SharedState()
         self.stats = RequestStats(mode=cfg.mode, draft_len=0 if cfg.mode == "ar" else cfg.k)
         self.round = 0
-        self.k = cfg.k  # this round's draft length (SharedState.round_k, ModePolicy.best_k)
+        self.k = cfg.k  # this round's draft length (SharedState.round_k, SpeedupModel.best_k)
         self.drafter_ok = True
         self.last_choice = ""  # the policy's choice for the previous round
 
@@ -139,7 +139,7 @@ class Generation:
             finally:
                 self.shared.prefilling -= 1
                 self.shared.prefill_epoch += 1
-            self.shared.policy.observe_timing("target", first.timing)
+            self.shared.policy.model.observe_timing("target", first.timing)
             self.stats.prefill_s = time.perf_counter() - t0
             prefix = self.prompt + [first.token]
             self.round += 1
@@ -193,7 +193,7 @@ class Generation:
             d = await self.c.fast_draft(self._draft_call(prefix, []))
         except Exception:  # noqa: BLE001 - no backup either: an AR step (empty draft)
             return DraftResult([], None)
-        self.shared.policy.t_fast.update(time.perf_counter() - t0)
+        self.shared.policy.model.t_fast.update(time.perf_counter() - t0)
         return d
 
     async def _neural_draft(self, prefix, fanout, c) -> tuple[DraftResult, str]:
@@ -204,7 +204,7 @@ class Generation:
         except Exception as e:  # noqa: BLE001
             self._degrade("draft", e)
             return await self._fast_draft(prefix), "fast"
-        self.shared.policy.observe_timing("drafter", d.timing)
+        self.shared.policy.model.observe_timing("drafter", d.timing)
         return d, "neural"
 
     async def _draft_for(self, d: Decision, prefix, fanout) -> tuple[DraftResult, str]:
@@ -237,14 +237,14 @@ class Generation:
 
     def _decide(self, k_max: int) -> Decision:
         """This round's choice and K. An ssd request with ``adaptive_k`` lets the policy pick each
-        choice's K up to the request's (``ModePolicy.best_k``); sd and ar requests are baselines
+        choice's K up to the request's (``SpeedupModel.best_k``); sd and ar requests are baselines
         and draft exactly the K they asked for (lowered only by ``SharedState.round_k``)."""
         cfg, pol, active = self.cfg, self.shared.policy, self.shared.active
         allowed = cfg.allowed()
         if not self.drafter_ok:  # only the target and the n-gram backup are left
             allowed = ("ar",) if cfg.mode == "ar" else ("ssd+fast", "ar")
         adaptive = cfg.adaptive_k and cfg.mode == "ssd"
-        budget = cfg.fanout_budget if adaptive else pol.tree_budget(active, k_max, cfg.fanout_budget)
+        budget = cfg.fanout_budget if adaptive else pol.model.tree_budget(active, k_max, cfg.fanout_budget)
         d = pol.choose(active, k_max, budget, allowed, self.seq_id, adaptive_k=adaptive)
         self.k = min(d.ks.get(d.choice, k_max), k_max) if adaptive else k_max
         if not self.drafter_ok:
@@ -258,7 +258,7 @@ class Generation:
         while True:
             t_round, mark = time.perf_counter(), self.shared.prefill_mark()
             d = self._decide(self.shared.round_k(cfg.k))
-            budget = pol.tree_budget(self.shared.active, self.k, cfg.fanout_budget)
+            budget = pol.model.tree_budget(self.shared.active, self.k, cfg.fanout_budget)
             self.stats.record_decision(d.choice, d.reason, d.rates, 0 if d.mode == "ar" else self.k)
             fanout = allocate(cfg.fanout_shape, self.k, budget, est)
             if d.mode == "ar":
@@ -276,8 +276,8 @@ class Generation:
             else:
                 (r, tv), spec_out = await _timed(self.c.verify(self._verify(prefix, draft.tokens, draft.probs))), None
             s, tp = spec_out if spec_out is not None else (SpeculateResult({}), 0.0)
-            pol.observe_timing("target", r.timing)
-            pol.observe_timing("drafter", s.timing)
+            pol.model.observe_timing("target", r.timing)
+            pol.model.observe_timing("drafter", s.timing)
             self.stats.t_verify += tv
             self.stats.t_speculate += tp
             block = draft.tokens[:r.accepted] + [r.token]
@@ -290,7 +290,7 @@ class Generation:
             if speculate:
                 self.stats.budgets[budget] += 1
                 est.record_lookup(fanout[r.accepted], hit)
-                pol.observe_lookup(source, hit)
+                pol.model.observe_lookup(source, hit)
                 self.stats.hits += hit
                 self.stats.misses += not hit
             self.round += 1
@@ -320,11 +320,11 @@ class Generation:
     def _learn(self, prefix, block, source, drafted: int) -> None:
         """Acceptance per draft source; and what the n-gram backup would have proposed here, scored
         against the target's tokens: its acceptance, measured for free."""
-        pol = self.shared.policy
+        model = self.shared.policy.model
         guess = propose(prefix, self.k)
         n_ok = next((i for i, (a, b) in enumerate(zip(guess, block)) if a != b), min(len(guess), len(block) - 1))
-        pol.e_miss["fast"].update(n_ok, max(len(guess), 1))  # no guess: a round of one token
+        model.e_miss["fast"].update(n_ok, max(len(guess), 1))  # no guess: a round of one token
         if source == "cache":
-            pol.e_hit.update(len(block) - 1, drafted)
+            model.e_hit.update(len(block) - 1, drafted)
         elif source in ("neural", "draft"):
-            pol.e_miss["neural"].update(len(block) - 1, drafted)
+            model.e_miss["neural"].update(len(block) - 1, drafted)

@@ -132,8 +132,8 @@ class OrchestratorModel:
             self.metrics.request_done(req.decode.mode, status, stats, stats["b_star"])
             b, k_now = max(self.active, 1), self.shared.round_k(dc.k)
             rates = {}
-            if pol.target.known and pol.drafter.known:  # at each choice's K, as the next round sees them
-                rates = pol.rates(b, k_now, dc.fanout_budget, pol.best_k(b, k_now, dc.fanout_budget))
+            if pol.model.known:  # at each choice's K, as the next round sees them
+                rates = pol.rates(b, k_now, dc.fanout_budget, pol.model.best_k(b, k_now, dc.fanout_budget))
             self.metrics.policy_state(pol.current, rates)
             if status == "cancelled":
                 sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
