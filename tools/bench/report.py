@@ -88,7 +88,7 @@ def sweeps(raw: dict) -> tuple[str, dict]:
         if r["phase"].startswith("sweep:"):
             name = r["phase"].split(":", 1)[1]
             knob = {"k": "num_draft_tokens", "sd_k": "num_draft_tokens", "shape": "fanout_shape",
-                    "budget": "fanout_budget", "backup": "backup", "c": "saguaro_c"}[name]
+                    "budget": "fanout_budget", "backup": "backup", "c": "saguaro_c", "adaptive_k": "adaptive_k"}[name]
             by[name][r.get(knob)].append(r)
     for name, variants in by.items():
         out.append(f"\n**{name}** ({'SD' if name == 'sd_k' else 'SSD'}, decode tok/s / accept len / p_hit)\n")

@@ -51,10 +51,11 @@ class Preset:
 # step_aside off: these rows measure SSD itself; what the mode policy does under load is the
 # Locust sweep's subject (loadtest/sweep.py)
 SSD_BASE = {"num_draft_tokens": 4, "fanout_budget": 12, "fanout_shape": "geometric", "backup": "auto", "saguaro_c": 1.0,
-            "step_aside": False}
+            "adaptive_k": True, "step_aside": False}
 PIN = {"ssd": {"step_aside": False}}
 SWEEPS_FULL = {
-    "k": [{"num_draft_tokens": k} for k in (3, 4, 5)],
+    "k": [{"num_draft_tokens": k} for k in (3, 4, 5)],  # with adaptive_k: the most a round may draft
+    "adaptive_k": [{"adaptive_k": a} for a in (False, True)],
     "sd_k": [{"mode": "sd", "num_draft_tokens": k} for k in (2, 3, 4, 5)],
     "shape": [{"fanout_shape": s} for s in ("uniform", "geometric")],
     "budget": [{"fanout_budget": b} for b in (5, 8, 12, 16)],
