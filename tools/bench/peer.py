@@ -17,6 +17,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "backends" / "python_ssd"))
+from ssd.engine.engine import load_dtype  # noqa: E402
+
 
 class ForwardCount:
     """Counts the target's forwards: the prefill, then one per round (AR step or verify)."""
@@ -67,6 +70,10 @@ def run(target, assistant, ids: list[int], max_tokens: int, k: int, eos: list[in
             "acceptance_length": None, "target_forwards": rounds}
 
 
+def _meta(folder: Path) -> dict:
+    return json.loads((folder / "engine.json").read_text()) if (folder / "engine.json").exists() else {}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--target", type=Path, required=True)
@@ -84,11 +91,14 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     t0 = time.perf_counter()
-    target = AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.bfloat16).eval()
-    assistant = AutoModelForCausalLM.from_pretrained(a.drafter, dtype=torch.bfloat16).eval()
+    # the dtype our engines compute in on this CPU (engine.load_dtype: float32 where bf16 has no
+    # native GEMM), so the peer and we do the same arithmetic
+    dtypes = [load_dtype(None, _meta(f).get("dtype", "bfloat16")) for f in (a.target, a.drafter)]
+    target = AutoModelForCausalLM.from_pretrained(a.target, dtype=dtypes[0]).eval()
+    assistant = AutoModelForCausalLM.from_pretrained(a.drafter, dtype=dtypes[1]).eval()
     print(f"[peer] transformers loaded both models in {time.perf_counter() - t0:.0f} s "
-          f"({a.threads} threads on cores {a.cores})", file=sys.stderr, flush=True)
-    meta = json.loads((a.target / "engine.json").read_text()) if (a.target / "engine.json").exists() else {}
+          f"({a.threads} threads on cores {a.cores}, {dtypes[0]} / {dtypes[1]})", file=sys.stderr, flush=True)
+    meta = _meta(a.target)
     eos = list(meta.get("eos_token_ids", [])) or [target.generation_config.eos_token_id]
     prompts = json.loads(a.prompts.read_text())
     calls = ForwardCount(target)
