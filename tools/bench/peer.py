@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "backends" / "python_ssd"))
-from ssd.engine.engine import load_dtype  # noqa: E402
+from ssd.engine.engine import engine_meta, load_dtype  # noqa: E402
 
 
 class ForwardCount:
@@ -70,10 +70,6 @@ def run(target, assistant, ids: list[int], max_tokens: int, k: int, eos: list[in
             "acceptance_length": None, "target_forwards": rounds}
 
 
-def _meta(folder: Path) -> dict:
-    return json.loads((folder / "engine.json").read_text()) if (folder / "engine.json").exists() else {}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--target", type=Path, required=True)
@@ -93,12 +89,12 @@ def main() -> None:
     t0 = time.perf_counter()
     # the dtype our engines compute in on this CPU (engine.load_dtype: float32 where bf16 has no
     # native GEMM), so the peer and we do the same arithmetic
-    dtypes = [load_dtype(None, _meta(f).get("dtype", "bfloat16")) for f in (a.target, a.drafter)]
+    meta = engine_meta(a.target)
+    dtypes = [load_dtype(None, m.get("dtype")) for m in (meta, engine_meta(a.drafter))]
     target = AutoModelForCausalLM.from_pretrained(a.target, dtype=dtypes[0]).eval()
     assistant = AutoModelForCausalLM.from_pretrained(a.drafter, dtype=dtypes[1]).eval()
     print(f"[peer] transformers loaded both models in {time.perf_counter() - t0:.0f} s "
           f"({a.threads} threads on cores {a.cores}, {dtypes[0]} / {dtypes[1]})", file=sys.stderr, flush=True)
-    meta = _meta(a.target)
     eos = list(meta.get("eos_token_ids", [])) or [target.generation_config.eos_token_id]
     prompts = json.loads(a.prompts.read_text())
     calls = ForwardCount(target)

@@ -23,9 +23,15 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.f
           "float16": torch.float16, "fp16": torch.float16}
 
 
-def load_dtype(requested: str | None, stored: str, device: str = "cpu") -> torch.dtype:
+def engine_meta(folder: str | os.PathLike) -> dict:
+    """A built engine folder's engine.json (dtype, eos ids, source); {} for a plain HF folder."""
+    path = Path(folder) / "engine.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def load_dtype(requested: str | None, stored: str | None, device: str = "cpu") -> torch.dtype:
     """The dtype an engine computes in: ``requested`` if given (not "auto"), else the one it was
-    built in (``stored``), except that a bf16 engine computes in float32 on a CPU without a native
+    built in (``stored``, from ``engine_meta``; bf16 if it does not say), except that a bf16 engine computes in float32 on a CPU without a native
     bf16 GEMM (oneDNN packs bf16 only with AVX-512 or AVX-NE-CONVERT). There bf16 is converted in
     the inner loop and the cost grows with every row: measured on an AVX2-only EPYC, one core, a
     4864 x 896 projection: bf16 0.96 ms at 1 row, 11.0 ms at 12; float32 (packed) 1.1 and 3.1 ms.
@@ -33,7 +39,7 @@ def load_dtype(requested: str | None, stored: str, device: str = "cpu") -> torch
     same values (float32 holds every bf16 value); only the arithmetic is wider."""
     if requested and requested != "auto":
         return DTYPES[requested]
-    dtype = DTYPES[stored]
+    dtype = DTYPES[stored or "bfloat16"]
     if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not packing_available(torch.bfloat16):
         return torch.float32
     return dtype
@@ -106,12 +112,10 @@ class TorchEngine:
         folder = Path(folder)
         with open(folder / "config.json") as f:
             hf = json.load(f)
-        meta = {}
-        if (folder / "engine.json").exists():
-            meta = json.loads((folder / "engine.json").read_text())
+        meta = engine_meta(folder)
         self.config = ModelConfig.from_hf(hf)
         self.device = torch.device(device)
-        self.dtype = load_dtype(dtype, meta.get("dtype", "bfloat16"), device)
+        self.dtype = load_dtype(dtype, meta.get("dtype"), device)
         weights = load_file(str(folder / "model.safetensors"))
         self.model = Transformer(self.config, weights, self.dtype, head_vocab=head_vocab, device=self.device,
                                  int8=weight_quant == "int8")
