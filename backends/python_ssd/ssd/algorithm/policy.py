@@ -100,8 +100,12 @@ class ModePolicy:
         (Formula times factor at a measured bucket let one choice's rounds move another's rate:
         SD rounds beside the drafter slowed the target's 8-row forwards, the cost curve rose, and
         AR's rate at 8 users fell from 3.3 to 2.2 tokens/s without a single AR round.)"""
+        return self._rates_from(self.model.rates_at(batch, k, budget, ks), batch)
+
+    def _rates_from(self, formula: dict[str, float], batch: int) -> dict[str, float]:
+        """``rates`` from the formula's rates at this batch (``SpeedupModel.rates_at``)."""
         bk, out = _bucket(batch), {}
-        for c, r in self.model.rates_at(batch, k, budget, ks).items():
+        for c, r in formula.items():
             m = self._measured_here(c, bk)
             out[c] = m.rate if m is not None else r * self.factor(c, batch)
         return out
@@ -165,14 +169,15 @@ class ModePolicy:
         self.rounds += 1
         bk = _bucket(batch)
         ks = self.model.best_k(batch, k, budget) if adaptive_k else None
-        rates = self.rates(batch, k, budget, ks)
+        formula = self.model.rates_at(batch, k, budget, ks)
+        rates = self._rates_from(formula, batch)
         d = self._next_decision(batch, bk, rates, allowed)
         d.ks = ks or {}
         if self.trace:
             self.trace({"ev": "decide", "round": self.rounds, "batch": batch, "k": k, "budget": budget,
                         "ks": d.ks,
                         "choice": d.choice, "reason": d.reason, "rates": {c: round(r, 3) for c, r in rates.items()},
-                        "model": {c: round(r, 3) for c, r in self.model.rates_at(batch, k, budget, ks).items()},
+                        "model": {c: round(r, 3) for c, r in formula.items()},
                         "p": {s: round(e.value, 3) for s, e in self.model.p_hit.items()},
                         "alpha": {"hit": round(self.model.e_hit.alpha, 3), "neural": round(self.model.e_miss["neural"].alpha, 3),
                                   "fast": round(self.model.e_miss["fast"].alpha, 3)},
