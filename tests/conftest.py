@@ -63,7 +63,7 @@ def engine_root() -> Path:
 @pytest.fixture(scope="session")
 def engines(engine_root):
     """In-process engines: target fp32, strong drafter bf16, weak drafter fp32, and the strong one
-    with int8 weights (the default drafter's setting)."""
+    with int8 weights, without and with down_proj (the default drafter's setting)."""
     from ssd.engine.engine import TorchEngine
 
     return {
@@ -71,6 +71,7 @@ def engines(engine_root):
         "strong": TorchEngine(engine_root / TARGET, dtype="bfloat16"),
         "weak": TorchEngine(engine_root / WEAK, dtype="float32"),
         "int8": TorchEngine(engine_root / TARGET, dtype="bfloat16", exact=False, weight_quant="int8"),
+        "int8_full": TorchEngine(engine_root / TARGET, dtype="bfloat16", exact=False, weight_quant="int8_full"),
     }
 
 

@@ -48,7 +48,7 @@ CONFIGS = [  # (drafter, decode config): K, fan-out shape and budget, backup kin
     ("strong", dict(mode="ssd", k=3, backup="neural", step_aside=False)),
     ("weak", dict(mode="ssd", k=5, saguaro_c=0.0, fanout_budget=12, step_aside=False)),
     ("strong", dict(mode="ssd", k=4)),  # the policy picks SSD / SD / AR per round from what it measures
-    ("int8", dict(mode="sd", k=3)), ("int8", dict(mode="ssd", k=4, step_aside=False)),  # int8 drafter weights
+    ("int8", dict(mode="sd", k=3)), ("int8_full", dict(mode="ssd", k=4, step_aside=False)),  # int8 drafter weights
 ]
 
 

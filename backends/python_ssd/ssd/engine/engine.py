@@ -94,6 +94,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
+WEIGHT_QUANT = ("", "int8", "int8_full")
+
+
 class TorchEngine:
     def __init__(self, folder: str | os.PathLike, dtype: str | None = None, threads: int | None = None,
                  exact: bool = True, max_sequences: int = 64, max_len: int | None = None,
@@ -101,12 +104,15 @@ class TorchEngine:
         """``exact``: extend forwards are batch-invariant (model.invariant_tiles): a row's logits
         are bit-identical in any mode and any batch, in bf16 too. ``device``: "cpu" or a CUDA
         device; logits always come back on the CPU, where sampling and verification run.
-        ``weight_quant``: "" (the weights in ``dtype``) or "int8" (model.Linear; CPU, drafters:
-        it changes the logits, so never for an exact target)."""
-        if weight_quant not in ("", "int8"):
-            raise ValueError(f"weight_quant must be '' or 'int8', got {weight_quant!r}")
+        ``weight_quant``: "" (the weights in ``dtype``), "int8" (every projection but the MLP's
+        down_proj in int8: model.Linear) or "int8_full" (down_proj too: faster, and for models
+        whose down_proj takes it; see Transformer). CPU, drafters: it changes the logits, so
+        never for an exact target."""
+        if weight_quant not in WEIGHT_QUANT:
+            raise ValueError(f"weight_quant must be one of {WEIGHT_QUANT}, got {weight_quant!r}")
         if weight_quant and exact:
-            raise ValueError("weight_quant 'int8' changes the logits: it needs batch_invariant false (a drafter)")
+            raise ValueError(f"weight_quant {weight_quant!r} changes the logits: it needs batch_invariant false "
+                             "(a drafter)")
         if threads:
             torch.set_num_threads(int(threads))
         folder = Path(folder)
@@ -118,7 +124,7 @@ class TorchEngine:
         self.dtype = load_dtype(dtype, meta.get("dtype"), device)
         weights = load_file(str(folder / "model.safetensors"))
         self.model = Transformer(self.config, weights, self.dtype, head_vocab=head_vocab, device=self.device,
-                                 int8=weight_quant == "int8")
+                                 int8=bool(weight_quant), int8_down=weight_quant == "int8_full")
         del weights
         _release_freed_memory()
         eos = hf.get("eos_token_id", [])
