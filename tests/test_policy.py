@@ -379,3 +379,26 @@ def test_each_choice_drafts_the_k_that_predicts_the_most():
     free.model.drafter.observe(1, 0.001)
     assert free.model.best_k(1, 4, 12)["ssd+neural"] == 4 and free.model.best_k(1, 4, 12)["sd"] == 4
     assert ModePolicy().model.best_k(1, 4, 12) == {c: 4 for c in CHOICES}  # nothing measured: the request's K
+
+
+def test_a_record_far_below_the_best_is_measured_again_in_time():
+    """A choice measured once at a fraction of the best (its rounds ran while the machine stalled)
+    is not locked out by the explore margin for good: after ``explore_every`` rounds it is probed
+    again, and if it now runs best the batch moves to it."""
+    pol = _policy()
+    pol.explore_new, pol.explore_every, pol.hysteresis = 8, 64, 0.1
+    _measure(pol, "ssd+fast", 3.0, 1)
+    _measure(pol, "ssd+neural", 0.8, 1)  # a stalled start: far below 3.0 / explore_margin
+    for c in ("sd", "ar"):
+        _measure(pol, c, 1.0, 1)
+    pol.current = "ssd+fast"
+    seen = []
+    for _ in range(1500):  # its probe is priced: 3 rounds at 3.75x a round's time, within explore_budget
+        d = pol.choose(1, 4, 8)
+        seen.append(d)
+        # what each choice delivers now: the neural backup at 4 tokens/s
+        pol.observe_round(d.choice, 2, 2 / {"ssd+neural": 4.0, "ssd+fast": 3.0}.get(d.choice, 1.0), 1, 4, 8)
+    first = next(i for i, d in enumerate(seen) if d.choice == "ssd+neural")
+    assert seen[first].reason == "explore"
+    assert first >= pol.explore_every  # not at once, and not never
+    assert pol.current == "ssd+neural"

@@ -202,7 +202,6 @@ class ModePolicy:
                 # its record is old and the current choice's is fresh: a machine that slowed down
                 # shows in the running choice alone (traced at 8 users: AR's rounds went from 0.44
                 # to 0.58 s, and the batch moved to SD for 16 rounds on a 60-s-old figure)
-                self.measured[(best, bk)].forget()  # the probe's rounds are news, not noise
                 return self._start_probe(best, "confirm", rates, bk)
             cur, self.switched_at = best, self.rounds
         self.current = cur
@@ -211,7 +210,7 @@ class ModePolicy:
     def _probe_due(self, choice: str, bucket: int, rate: float, top: float, others: int) -> bool:
         """Whether ``choice`` should be measured again at this batch size. Not while even
         ``explore_margin`` times its prediction stays below the best (unless it never ran at all:
-        then once, at no price); otherwise after
+        then once, at no price; or its record here is ``explore_every`` rounds old); otherwise after
         ``explore_new`` rounds (fewer than 2 measured rounds) or ``explore_every`` rounds, and no
         sooner than its price allows: a probe gives up ``probe_rounds * (1 - rate / top)`` rounds
         of the best choice (cheap when it is nearly as good, dear at a large batch where SD's
@@ -225,10 +224,15 @@ class ModePolicy:
         # (measured after AR and SD runs: SSD predicted at 0.47x SD at batch 1, where it runs 1.3x),
         # so it gets one probe at the usual spacing whatever it predicts
         never = self._calib(choice, None).count == 0
-        if rate * self.explore_margin < top and not never:
-            return False
         measured = self._measured_here(choice, bucket) is not None
         since = self.rounds - self.last_run.get((choice, bucket), 0)
+        # the margin screens predictions, not records: a record is what the choice ran at one time,
+        # and one taken while the machine stalled (a process's first rounds, allocating: traced, the
+        # in-process bench's SSD with the neural backup kept 1.3 tok/s from its warm-up where it ran
+        # 2.8) would otherwise stand for good, since nothing re-measures a choice that is not run;
+        # after ``explore_every`` rounds it is measured again, at the usual price
+        if rate * self.explore_margin < top and not never and not (measured and since >= self.explore_every):
+            return False
         # priced in time, not rounds: at 8 users an SSD probe round took 1.8 s against AR's 0.5 s,
         # and probes priced per round took 16% of a load-test cell
         mine, best = self._round_seconds(choice, bucket), self._round_seconds(self.current, bucket)
@@ -238,6 +242,8 @@ class ModePolicy:
         return since >= max(self.explore_every if measured else self.explore_new, price)
 
     def _start_probe(self, choice: str, reason: str, rates: dict, bucket: int) -> Decision:
+        if self._stale(choice, bucket):  # an old record: the probe's rounds are news, not noise
+            self.measured[(choice, bucket)].forget()
         self.probe, self.probe_reason, self.probe_until = choice, reason, self.rounds + self.probe_rounds
         return self._ran(_decision(choice, reason, rates), bucket)
 
