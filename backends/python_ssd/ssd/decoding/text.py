@@ -12,6 +12,8 @@ from pathlib import Path
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from ..engine.meta import engine_meta
+
 
 class TextCodec:
     def __init__(self, folder: str | Path):
@@ -25,9 +27,7 @@ class TextCodec:
         self.template = env.from_string(template) if isinstance(template, str) else None
         self.bos_token = cfg.get("bos_token") if isinstance(cfg.get("bos_token"), str) else None
         self.eos_token = cfg.get("eos_token") if isinstance(cfg.get("eos_token"), str) else None
-        meta_path = folder / "engine.json"
-        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-        eos = set(meta.get("eos_token_ids", []))
+        eos = set(engine_meta(folder).get("eos_token_ids", []))
         if self.eos_token and self.tokenizer.token_to_id(self.eos_token) is not None:
             eos.add(self.tokenizer.token_to_id(self.eos_token))
         self.eos_ids = eos

@@ -17,23 +17,19 @@ import torch
 from safetensors.torch import load_file
 
 from .kv_cache import SequenceKV
+from .meta import engine_meta
 from .model import TILE, ModelConfig, RowBatch, Transformer, packing_available
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
 
 
-def engine_meta(folder: str | os.PathLike) -> dict:
-    """A built engine folder's engine.json (dtype, eos ids, source); {} for a plain HF folder."""
-    path = Path(folder) / "engine.json"
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
 def load_dtype(requested: str | None, stored: str | None, device: str = "cpu") -> torch.dtype:
     """The dtype an engine computes in: ``requested`` if given (not "auto"), else the one it was
-    built in (``stored``, from ``engine_meta``; bf16 if it does not say), except that a bf16 engine computes in float32 on a CPU without a native
-    bf16 GEMM (oneDNN packs bf16 only with AVX-512 or AVX-NE-CONVERT). There bf16 is converted in
-    the inner loop and the cost grows with every row: measured on an AVX2-only EPYC, one core, a
+    built in (``stored``, from ``engine_meta``; bf16 if it does not say), except that a bf16
+    engine computes in float32 on a CPU without a native bf16 GEMM (oneDNN packs bf16 only with
+    AVX-512 or AVX-NE-CONVERT). There bf16 is converted in the inner loop and the cost grows with
+    every row: measured on an AVX2-only EPYC, one core, a
     4864 x 896 projection: bf16 0.96 ms at 1 row, 11.0 ms at 12; float32 (packed) 1.1 and 3.1 ms.
     A verify of K + 1 rows and a speculation tree are exactly those row counts. The weights stay the
     same values (float32 holds every bf16 value); only the arithmetic is wider."""

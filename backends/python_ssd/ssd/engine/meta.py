@@ -1,0 +1,13 @@
+"""What a built engine folder says about itself, readable without torch (the orchestrator's text
+codec needs its eos ids; the Python backend stub keeps heavy imports out)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def engine_meta(folder: str | os.PathLike) -> dict:
+    """A built engine folder's engine.json (dtype, eos ids, source); {} for a plain HF folder."""
+    path = Path(folder) / "engine.json"
+    return json.loads(path.read_text()) if path.exists() else {}
