@@ -233,6 +233,29 @@ def test_policy_warms_up_and_respects_pins():
     assert ModePolicy(forced_mode="ar").choose(1, 4, 8).choice == "ar"
 
 
+def test_requests_first_rounds_alone_do_not_make_a_record():
+    """A choice that only ever ran requests' first rounds (no cached draft, the drafter's prefill:
+    slow whatever the choice) is not measured by them: its prediction stands, and the batch moves
+    to it if it runs best. (Counted as its record, 0.8 tok/s here kept it off behind the explore
+    margin until ``explore_every``.)"""
+    pol = measured_policy()
+    pol.explore_new, pol.explore_every, pol.hysteresis = 8, 10**6, 0.1
+    measure_rounds(pol, "ssd+fast", 3.0, 1)
+    for c in ("sd", "ar"):
+        measure_rounds(pol, c, 1.0, 1)
+    for _ in range(3):  # three requests began on it, each with a slow first round
+        pol.observe_round("ssd+neural", 2, 2 / 0.8, 1, 4, 8, clean=False, first=True)
+    assert pol.measured[("ssd+neural", 0)].rate < 3.0 / pol.explore_margin  # what the margin saw
+    pol.current = "ssd+fast"
+    seen = []
+    for _ in range(300):
+        d = pol.choose(1, 4, 8)
+        seen.append(d)
+        pol.observe_round(d.choice, 2, 2 / {"ssd+neural": 4.0, "ssd+fast": 3.0}.get(d.choice, 1.0), 1, 4, 8)
+    assert any(d.choice == "ssd+neural" for d in seen[:100])
+    assert pol.current == "ssd+neural"
+
+
 def test_a_record_far_below_the_best_is_measured_again_in_time():
     """A choice measured once at a fraction of the best (its rounds ran while the machine stalled)
     is not locked out by the explore margin for good: after ``explore_every`` rounds it is probed

@@ -111,14 +111,16 @@ class ModePolicy:
         return out
 
     def observe_round(self, choice: str, tokens: int, seconds: float, batch: int, k: int, budget: int,
-                      clean: bool = True) -> None:
+                      clean: bool = True, first: bool = False) -> None:
         """A round that ran ``choice`` produced ``tokens`` in ``seconds``: it goes into the choice's
         own record at this batch size, and, if ``clean`` (no other request's prefill overlapped it,
         not a request's first round), calibrates the formula's prediction. The record is what the
         choice delivers, joins included: kept out of it, they made SD at 8 users look 1.5x faster
         than its cells ran (traced: measured rounds covered 57% of SD's sequence-time, 77% of
         AR's), and the policy held SD where AR ran 20% faster. The formula prices forwards only,
-        and a 1-2 s prefill stall in a factor would move it for every batch size."""
+        and a 1-2 s prefill stall in a factor would move it for every batch size. A request's
+        ``first`` round is in the record's means but not its round count (``Measured``): a
+        choice is measured once it has rounds of its own, not just requests' starts."""
         if seconds <= 0 or not self.model.known:
             return
         predicted = self.model.rates(batch, k, budget)[choice]
@@ -130,8 +132,9 @@ class ModePolicy:
             if self.trace:
                 self.trace({"ev": "round", "choice": choice, "batch": batch, "k": k, "budget": budget,
                             "tokens": tokens, "s": round(seconds, 4), "predicted": round(predicted, 3),
-                            "clean": clean})
-            self.measured.setdefault((choice, _bucket(batch)), Measured()).update(tokens, seconds, w, self.rounds)
+                            "clean": clean, "first": first})
+            record = self.measured.setdefault((choice, _bucket(batch)), Measured())
+            record.update(tokens, seconds, w, self.rounds, counts=not first)
             if clean:
                 self._calib(choice, _bucket(batch)).update(ratio, w)
                 self._calib(choice, None).update(ratio, w)
