@@ -97,7 +97,7 @@ def test_rounds_overlapping_a_prefill_count_in_the_measured_rate_but_do_not_cali
         calibrated[busy] = sum(e.count for (c, b), e in shared.policy.calib.items() if b is None)
         measured[busy] = sum(m.count for m in shared.policy.measured.values())
     assert calibrated[1] == 0 and calibrated[0] > 0
-    assert measured[1] > 0 and measured[0] > calibrated[0]  # the first round counts there too
+    assert measured[1] > 0 and measured[0] > 0
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
