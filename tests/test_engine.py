@@ -191,6 +191,34 @@ def test_int8_weights_change_the_logits_but_not_the_argmax_much(engines, codec, 
         TorchEngine(q.folder, weight_quant=quant)
 
 
+def test_a_truncated_head_still_scores_the_context_s_rare_tokens(engine_root, engines, codec):
+    """head_vocab (a drafter option) keeps the first rows of the output projection; ids beyond it
+    that the sequence holds (a prompt's rare words come back in the answer) still get their real
+    logits, in linear steps and in tree rows; other ids beyond it get -inf (q = 0)."""
+    from ssd.engine.engine import ExtendCall, TorchEngine, TreeCall
+
+    ids = codec.encode_prompt("Janet's ducks lay 16 eggs per day. Bolts of blue fiber: how many bolts?")
+    head = 2000
+    rare = sorted({t for t in ids if t >= head})
+    assert rare, "the prompt must hold ids beyond the head for this test"
+    unseen = next(t for t in range(head, 49152) if t not in rare)
+    full, cut = engines["target"], TorchEngine(engine_root / TARGET, dtype="float32", head_vocab=head)
+    ref = full.extend([ExtendCall("ctx", ids, len(ids))])[0]
+    got = cut.extend([ExtendCall("ctx", ids, len(ids))])[0]
+    assert got.shape == ref.shape
+    assert torch.allclose(got[:, :head], ref[:, :head], atol=1e-3)
+    assert torch.allclose(got[:, rare], ref[:, rare], atol=1e-3)
+    assert torch.isinf(got[:, unseen]).all()
+    # a tree row (how the speculation drafts) over the same prefix
+    nxt = int(ref[-1].argmax())
+    ref_next = full.extend([ExtendCall("ctx", ids + [nxt], 1)])[0][0]
+    row = cut.tree([TreeCall("ctx", [nxt], [len(ids)], [len(ids)], [-1])])[0][0][0]
+    for e in (full, cut):
+        e.release("ctx")
+    assert torch.allclose(row[rare], ref_next[rare], atol=1e-3)
+    assert torch.isinf(row[unseen])
+
+
 def test_bf16_engines_compute_in_float32_without_a_native_bf16_gemm():
     """An engine built in bf16 computes in float32 on a CPU whose oneDNN cannot pack bf16 (AVX2
     only: there a bf16 GEMM's cost grows with every row); an explicit dtype always wins."""

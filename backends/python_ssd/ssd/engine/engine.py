@@ -179,6 +179,15 @@ class TorchEngine:
             del s.tokens[length:]
             s.scratch_end = len(s.tokens)
 
+    def _context_ids(self, tokens: list[int]) -> torch.Tensor | None:
+        """The ids of ``tokens`` beyond a truncated output head (``head_vocab``): the forward
+        computes their logits too (``Transformer._widen``). None with a full head."""
+        head = self.model.head_vocab
+        if head >= self.config.vocab_size:
+            return None
+        ids = sorted({t for t in tokens if t >= head})
+        return torch.tensor(ids, dtype=torch.long) if ids else None
+
     # -- linear extension (prefill, decode, verify) ----------------------------------------------
     def extend(self, calls: list[ExtendCall]) -> list[torch.Tensor]:
         """Makes each sequence's cache cover ``tokens`` and returns [n_logits, V] float32 logits."""
@@ -194,7 +203,7 @@ class TorchEngine:
             new = c.tokens[start:]
             batch.append(RowBatch(torch.tensor(new, dtype=torch.long),
                                   torch.arange(start, len(c.tokens), dtype=torch.long), s.kv, start, None,
-                                  len(new) - n_logits))
+                                  len(new) - n_logits, self._context_ids(c.tokens)))
             wants.append((s, c.tokens))
         out = self._timed_forward(batch, self.exact)
         for s, tokens in wants:
@@ -225,7 +234,8 @@ class TorchEngine:
                     node = parent_of[node]
                 visible[i, : root_prefix[slot]] = True
             batch.append(RowBatch(torch.tensor(c.tokens, dtype=torch.long),
-                                  torch.tensor(c.positions, dtype=torch.long), s.kv, start, visible, 0))
+                                  torch.tensor(c.positions, dtype=torch.long), s.kv, start, visible, 0,
+                                  self._context_ids(s.tokens)))
             slots_out.append(list(range(start, start + n)))
             s.scratch_end = start + n
         out = self._timed_forward(batch, False)
