@@ -49,6 +49,7 @@ class Sequence:
     last_used: float = 0.0
     tree_parent: dict[int, int] = field(default_factory=dict)  # tree slot -> parent slot (-1: root)
     tree_prefix: dict[int, int] = field(default_factory=dict)  # tree slot -> committed tokens it sees
+    tree_context: torch.Tensor | None = None  # the tree's context ids (its committed tokens do not change)
 
 
 @dataclass
@@ -223,6 +224,7 @@ class TorchEngine:
             if start == len(s.tokens):  # a fresh tree
                 s.tree_parent.clear()
                 s.tree_prefix.clear()
+                s.tree_context = self._context_ids(s.tokens)  # once per tree, not per step
             parent_of, root_prefix = s.tree_parent, s.tree_prefix
             for i in range(n):
                 slot = start + i
@@ -235,7 +237,7 @@ class TorchEngine:
                 visible[i, : root_prefix[slot]] = True
             batch.append(RowBatch(torch.tensor(c.tokens, dtype=torch.long),
                                   torch.tensor(c.positions, dtype=torch.long), s.kv, start, visible, 0,
-                                  self._context_ids(s.tokens)))
+                                  s.tree_context))
             slots_out.append(list(range(start, start + n)))
             s.scratch_end = start + n
         out = self._timed_forward(batch, False)
