@@ -100,6 +100,23 @@ def test_rounds_overlapping_a_prefill_count_in_the_measured_rate_but_do_not_cali
     assert measured[1] > 0 and measured[0] > 0
 
 
+def test_ssd_rounds_reach_the_policy_with_their_draft_source(engines, codec):
+    """The policy judges the SSD backups by their misses (ModePolicy._by_source): each SSD round
+    it is shown lands in the hit or the miss part of its choice's record, as the request's own
+    statistics saw its draft's source (a request's first round is in the means, not the count)."""
+    from ssd.decoding.generator import DecodeConfig, SharedState
+
+    client = _client(engines, "strong")
+    shared = SharedState()
+    _, g = asyncio.run(_generate(client, codec.encode_prompt(PROMPTS[1]),
+                                 DecodeConfig(mode="ssd", k=3, backup="neural", step_aside=False), n=24, shared=shared))
+    later = g.stats.source_per_round[1:]
+    parts = shared.policy.parts
+    assert parts[("ssd+neural", 0, "hit")].count == later.count("cache") > 0
+    assert parts.get(("ssd+neural", 0, "miss"), None) is not None  # the first round, at least
+    assert parts[("ssd+neural", 0, "miss")].count == later.count("neural")
+
+
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
 def test_drafter_prefills_the_prompt_beside_the_target(engines, codec, mode):
     """A request that may draft has its prompt in the drafter's cache when the first token comes

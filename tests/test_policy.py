@@ -277,3 +277,32 @@ def test_a_record_far_below_the_best_is_measured_again_in_time():
     assert seen[first].reason == "explore"
     assert first >= pol.explore_every  # not at once, and not never
     assert pol.current == "ssd+neural"
+
+
+def _rounds(pol, choice: str, pattern: str, hit=(4, 1.0), miss=(3, 1.3)) -> None:
+    """SSD rounds at batch 1 in ``pattern`` order: h = from a cache hit, m = from the backup."""
+    backup = choice.partition("+")[2]
+    for x in pattern:
+        tokens, seconds = hit if x == "h" else miss
+        pol.observe_round(choice, tokens, seconds, 1, 4, 8, source="cache" if x == "h" else backup)
+
+
+def test_the_ssd_backups_are_judged_by_their_misses_not_by_luck():
+    """The two SSD choices run the same rounds on a hit and differ only on a miss (one round in
+    five here). Two lucky rounds of the fast backup, both hits, out-ran the neural backup's record,
+    which holds its misses: compared record to record the batch moved to the n-gram backup (traced
+    on the served bench: every later miss then yielded 1 token). Put together by draft source,
+    the fast backup's misses are priced from what its drafts yield (1.5 tokens here), and the
+    neural backup stays; when the fast backup's misses do yield more, it takes over."""
+    pol = measured_policy()
+    pol.hysteresis, pol.current = 0.1, "ssd+neural"
+    _rounds(pol, "ssd+neural", "hhhhm" * 4)
+    _rounds(pol, "ssd+fast", "hh")
+    plain = {c: pol.measured[(c, 0)].rate for c in ("ssd+neural", "ssd+fast")}
+    assert plain["ssd+fast"] > plain["ssd+neural"] * (1 + pol.hysteresis)  # the trap
+    rates = pol.rates(1, 4, 8)
+    assert rates["ssd+neural"] > rates["ssd+fast"]
+    assert pol.choose(1, 4, 8, ("ssd+neural", "ssd+fast")).choice == "ssd+neural"
+    # repetitive text: the n-gram draft's misses yield as much as a hit, at no drafting cost
+    _rounds(pol, "ssd+fast", "mhmhm", miss=(4, 1.0))
+    assert pol.choose(1, 4, 8, ("ssd+neural", "ssd+fast")).choice == "ssd+fast"

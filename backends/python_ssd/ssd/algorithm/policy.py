@@ -13,7 +13,8 @@ until a bucket has 2 rounds, else the factor over all sizes). The caller leaves 
 after a change of choice (it pays for the switch: the drafter catching up, no cached draft), and
 keeps a request's first round and rounds that another request's prefill overlapped out of the
 calibration (not out of the choice's own record: see ``observe_round``). So the formulas extrapolate
-and the measurements decide. Statistics only come from running a choice, so one that has not run at
+and the measurements decide. The two SSD choices run the same rounds on a cache hit and differ only
+on a miss, so their records are kept by draft source too and rated from those parts (``_by_source``). Statistics only come from running a choice, so one that has not run at
 this batch size for a while gets a 3-round probe (``explore``, priced and spaced: ``_probe_due``).
 A new choice must predict ``hysteresis`` more than the current one, and a choice stays at least
 ``min_dwell`` rounds: every switch into SSD costs a round without a cached draft, so flapping on
@@ -59,6 +60,7 @@ class ModePolicy:
     model: SpeedupModel = field(default_factory=SpeedupModel)  # the predictions and what they learn from
     calib: dict = field(default_factory=dict)  # (choice, bucket or None for all sizes) -> Ema
     measured: dict = field(default_factory=dict)  # (choice, bucket) -> Measured
+    parts: dict = field(default_factory=dict)  # (ssd choice, bucket, "hit" | "miss") -> Measured (_by_source)
     current: str = "ssd+neural"
     explore_new: int = 8  # rounds between tries of a choice with < MEASURED rounds of calibration
     explore_every: int = 256  # ... and of one measured before
@@ -100,18 +102,51 @@ class ModePolicy:
         (Formula times factor at a measured bucket let one choice's rounds move another's rate:
         SD rounds beside the drafter slowed the target's 8-row forwards, the cost curve rose, and
         AR's rate at 8 users fell from 3.3 to 2.2 tokens/s without a single AR round.)"""
-        return self._rates_from(self.model.rates_at(batch, k, budget, ks), batch)
+        return self._rates_from(self.model.rates_at(batch, k, budget, ks), batch, _k_of(k, ks))
 
-    def _rates_from(self, formula: dict[str, float], batch: int) -> dict[str, float]:
+    def _rates_from(self, formula: dict[str, float], batch: int, k_of: dict[str, int]) -> dict[str, float]:
         """``rates`` from the formula's rates at this batch (``SpeedupModel.rates_at``)."""
         bk, out = _bucket(batch), {}
         for c, r in formula.items():
-            m = self._measured_here(c, bk)
-            out[c] = m.rate if m is not None else r * self.factor(c, batch)
+            rec = self._record_rate(c, bk, k_of[c])
+            out[c] = rec if rec is not None else r * self.factor(c, batch)
         return out
 
+    def _record_rate(self, choice: str, bucket: int, k: int) -> float | None:
+        """What the choice measured at this bucket, in tokens/s per sequence (None: fewer than
+        ``MEASURED`` rounds there); an SSD choice's is put together by draft source."""
+        m = self._measured_here(choice, bucket)
+        if m is None:
+            return None
+        by_source = self._by_source(choice, bucket, k) if choice.startswith("ssd") else None
+        return m.rate if by_source is None else by_source
+
+    def _by_source(self, choice: str, bucket: int, k: int) -> float | None:
+        """SSD's rate from its rounds split by where their draft came from: a cache hit or the
+        backup. The two SSD choices differ only in their misses, one round in 4-5, so their plain
+        records mostly measured luck (traced, served bench: a 2-round probe of the fast backup hit
+        twice, and every later miss ran the n-gram draft at 1.0 token a round where the neural
+        backup's missed rounds yielded 3.7). So the share of hit rounds is the model's for this
+        backup (learned from every SSD round, ``hit_share``); the hit rounds' tokens and seconds
+        are this choice's (else the other SSD choice's at this bucket: at batch 1 they are the
+        same rounds); the miss rounds' are this choice's once measured, else the model's (the
+        backup's acceptance at K; the hit rounds' seconds plus the backup's)."""
+        kind = choice.partition("+")[2]
+        other = "ssd+fast" if kind == "neural" else "ssd+neural"
+        hit = next((h for c in (choice, other) if (h := self.parts.get((c, bucket, "hit"))) and h.count >= 1), None)
+        if hit is None:
+            return None
+        p = self.model.hit_share(kind)
+        miss = self.parts.get((choice, bucket, "miss"))
+        if miss is not None and miss.count >= MEASURED:
+            m_tokens, m_seconds = miss.tokens.value, miss.seconds.value
+        else:
+            m_tokens = self.model.e_miss[kind].tokens(k)
+            m_seconds = hit.seconds.value + self.model.backup_seconds(kind, 2 ** bucket, k)
+        return (p * hit.tokens.value + (1 - p) * m_tokens) / max(p * hit.seconds.value + (1 - p) * m_seconds, 1e-9)
+
     def observe_round(self, choice: str, tokens: int, seconds: float, batch: int, k: int, budget: int,
-                      clean: bool = True, first: bool = False) -> None:
+                      clean: bool = True, first: bool = False, source: str = "") -> None:
         """A round that ran ``choice`` produced ``tokens`` in ``seconds``: it goes into the choice's
         own record at this batch size, and, if ``clean`` (no other request's prefill overlapped it,
         not a request's first round), calibrates the formula's prediction. The record is what the
@@ -120,7 +155,9 @@ class ModePolicy:
         AR's), and the policy held SD where AR ran 20% faster. The formula prices forwards only,
         and a 1-2 s prefill stall in a factor would move it for every batch size. A request's
         ``first`` round is in the record's means but not its round count (``Measured``): a
-        choice is measured once it has rounds of its own, not just requests' starts."""
+        choice is measured once it has rounds of its own, not just requests' starts. An SSD round
+        also goes into the part of its record for its draft ``source`` (cache: a hit; else the
+        backup's name): see ``_by_source``."""
         if seconds <= 0 or not self.model.known:
             return
         predicted = self.model.rates(batch, k, budget)[choice]
@@ -132,9 +169,12 @@ class ModePolicy:
             if self.trace:
                 self.trace({"ev": "round", "choice": choice, "batch": batch, "k": k, "budget": budget,
                             "tokens": tokens, "s": round(seconds, 4), "predicted": round(predicted, 3),
-                            "clean": clean, "first": first})
+                            "clean": clean, "first": first, "source": source})
             record = self.measured.setdefault((choice, _bucket(batch)), Measured())
             record.update(tokens, seconds, w, self.rounds, counts=not first)
+            if source and choice.startswith("ssd"):
+                part = (choice, _bucket(batch), "hit" if source == "cache" else "miss")
+                self.parts.setdefault(part, Measured()).update(tokens, seconds, w, self.rounds, counts=not first)
             if clean:
                 self._calib(choice, _bucket(batch)).update(ratio, w)
                 self._calib(choice, None).update(ratio, w)
@@ -173,8 +213,9 @@ class ModePolicy:
         bk = _bucket(batch)
         ks = self.model.best_k(batch, k, budget) if adaptive_k else None
         formula = self.model.rates_at(batch, k, budget, ks)
-        rates = self._rates_from(formula, batch)
-        d = self._next_decision(batch, bk, rates, allowed)
+        k_of = _k_of(k, ks)
+        rates = self._rates_from(formula, batch, k_of)
+        d = self._next_decision(batch, bk, rates, allowed, k_of)
         d.ks = ks or {}
         if self.trace:
             self.trace({"ev": "decide", "round": self.rounds, "batch": batch, "k": k, "budget": budget,
@@ -188,10 +229,10 @@ class ModePolicy:
                         "T_d": [round(self.model.drafter(r), 4) for r in (1, batch, batch * (k + 1), batch * budget)]})
         return d
 
-    def _next_decision(self, batch: int, bk: int, rates: dict, allowed: tuple[str, ...]) -> Decision:
+    def _next_decision(self, batch: int, bk: int, rates: dict, allowed: tuple[str, ...], k_of: dict) -> Decision:
         if self.probe in allowed and self.rounds < self.probe_until:
             return self._ran(_decision(self.probe, self.probe_reason, rates), bk)
-        allowed = tuple(c for c in allowed if not self._dominated(c, bk)) or allowed
+        allowed = tuple(c for c in allowed if not self._dominated(c, bk, k_of)) or allowed
         top = max(rates[c] for c in allowed)
         others = len(allowed) - 1
         stale = [c for c in allowed if self._probe_due(c, bk, rates[c], top, others)]
@@ -246,7 +287,9 @@ class ModePolicy:
 
     def _start_probe(self, choice: str, reason: str, rates: dict, bucket: int) -> Decision:
         if self._stale(choice, bucket):  # an old record: the probe's rounds are news, not noise
-            self.measured[(choice, bucket)].forget()
+            for m in [self.measured[(choice, bucket)]] + [self.parts.get((choice, bucket, p)) for p in ("hit", "miss")]:
+                if m is not None:
+                    m.forget()
         self.probe, self.probe_reason, self.probe_until = choice, reason, self.rounds + self.probe_rounds
         return self._ran(_decision(choice, reason, rates), bucket)
 
@@ -255,7 +298,7 @@ class ModePolicy:
         m = self._measured_here(choice, bucket)
         return m is not None and self.rounds - m.last > self.stale_after
 
-    def _dominated(self, choice: str, bucket: int) -> bool:
+    def _dominated(self, choice: str, bucket: int, k_of: dict) -> bool:
         """Whether a choice further down the step-aside ladder (CHOICES: ssd+neural, ssd+fast, sd,
         ar) beat this one, by more than ``hysteresis``, at the nearest smaller bucket where this
         one was measured, and this bucket has no record of its own. Each step of the ladder drafts
@@ -268,9 +311,9 @@ class ModePolicy:
         b = _nearest_bucket(self.measured, choice, bucket - 1, MEASURED)
         if b is None:
             return False
-        bar = self.measured[(choice, b)].rate * (1 + self.hysteresis)
+        bar = self._record_rate(choice, b, k_of[choice]) * (1 + self.hysteresis)
         later = CHOICES[CHOICES.index(choice) + 1:]
-        return any((m := self._measured_here(c, b)) is not None and m.rate > bar for c in later)
+        return any((r := self._record_rate(c, b, k_of[c])) is not None and r > bar for c in later)
 
     def _round_seconds(self, choice: str, bucket: int) -> float | None:
         """Measured seconds per round of ``choice`` at this bucket or the nearest smaller one that
@@ -314,6 +357,11 @@ def _nearest(table: dict, choice: str, bucket: int, least: float):
     """``table[(choice, b)]`` at ``_nearest_bucket``; else None."""
     b = _nearest_bucket(table, choice, bucket, least)
     return None if b is None else table[(choice, b)]
+
+
+def _k_of(k: int, ks: dict[str, int] | None) -> dict[str, int]:
+    """Each choice's K this round: its own (``best_k``) or the request's."""
+    return {c: (ks or {}).get(c, k) for c in CHOICES}
 
 
 def _decision(choice: str, reason: str, rates: dict | None = None, ks: dict | None = None) -> Decision:

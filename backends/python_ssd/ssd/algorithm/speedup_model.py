@@ -68,11 +68,16 @@ class SpeedupModel:
         out = {"ar": 1 / T_t(b), "sd": e_sd / (k * T_d(b) + t_v)}
         for kind in ("neural", "fast"):
             p = self.hit_share(kind)
-            missing = max(1.0, (1 - p) * b)
-            t_backup = k * T_d(missing) if kind == "neural" else self.t_fast.value
             num = p * e_hit + (1 - p) * self.e_miss[kind].tokens(k)
-            out[f"ssd+{kind}"] = num / (max(t_v, t_s) + (1 - p ** b) * t_backup)
+            out[f"ssd+{kind}"] = num / (max(t_v, t_s) + (1 - p ** b) * self.backup_seconds(kind, b, k))
         return out
+
+    def backup_seconds(self, kind: str, batch: int, k: int) -> float:
+        """What a round that misses waits for its backup: the drafter's K steps over the expected
+        missing rows (neural), or the n-gram lookup's measured time (fast)."""
+        if kind == "fast":
+            return self.t_fast.value
+        return k * self.drafter(max(1.0, (1 - self.hit_share(kind)) * max(batch, 1)))
 
     def rates_at(self, batch: int, k: int, budget: int, ks: dict[str, int] | None) -> dict[str, float]:
         """``rates`` per choice at its own K (``ks``, each K with its tree budget under ``budget``),

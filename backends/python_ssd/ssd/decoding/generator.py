@@ -306,7 +306,7 @@ class Generation:
             if not switched:
                 clean = not first and mark is not None and mark == self.shared.prefill_mark()
                 pol.observe_round(d.choice, len(block), time.perf_counter() - t_round, self.shared.active, self.k,
-                                  budget, clean, first)
+                                  budget, clean, first, source)
             yield block
             cached = None
             if hit and not self.params.greedy:
