@@ -306,3 +306,18 @@ def test_the_ssd_backups_are_judged_by_their_misses_not_by_luck():
     # repetitive text: the n-gram draft's misses yield as much as a hit, at no drafting cost
     _rounds(pol, "ssd+fast", "mhmhm", miss=(4, 1.0))
     assert pol.choose(1, 4, 8, ("ssd+neural", "ssd+fast")).choice == "ssd+fast"
+
+
+def test_an_uncalibrated_ssd_backup_borrows_the_other_s_calibration():
+    """A warm-up prompt the drafter drafts badly takes SSD's calibration factor down; the SSD
+    choice that never ran shares every term of the formula but the miss term, so it shares that
+    factor too instead of keeping 1.0 and taking the batch on no evidence."""
+    pol = measured_policy()
+    pol.hysteresis, pol.current = 0.1, "ssd+neural"
+    for _ in range(2):  # two rounds at 0.6x the prediction
+        pol.observe_round("ssd+neural", 1, 1 / (0.6 * pol.model.rates(1, 4, 8)["ssd+neural"]), 1, 4, 8)
+    assert abs(pol.factor("ssd+fast", 1) - pol.factor("ssd+neural", 1)) < 1e-9 < 1 - pol.factor("ssd+neural", 1)
+    model = pol.model.rates(1, 4, 8)
+    rates = pol.rates(1, 4, 8)
+    assert abs(rates["ssd+fast"] / rates["ssd+neural"] - model["ssd+fast"] / model["ssd+neural"]) < 1e-9
+    assert pol.choose(1, 4, 8, ("ssd+neural", "ssd+fast")).choice == "ssd+neural"

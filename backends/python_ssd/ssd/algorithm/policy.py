@@ -85,7 +85,12 @@ class ModePolicy:
     def factor(self, choice: str, batch: int) -> float:
         """The choice's calibration at this batch-size bucket; until it has 2 rounds, that of the
         nearest smaller bucket that has (batch 8's reality is closer to batch 16's than batch 1's,
-        where SSD runs best), else the factor over all sizes."""
+        where SSD runs best), else the factor over all sizes. An SSD choice never calibrated takes
+        the other SSD choice's: their formulas share all but the miss term (traced: a warm-up
+        prompt the drafter drafted badly took SSD's factor to 0.6, and the never-run fast backup,
+        at 1.0, looked 50% faster and took the batch on no evidence)."""
+        if choice.startswith("ssd") and self._calib(choice, None).count == 0:
+            choice = "ssd+fast" if choice == "ssd+neural" else "ssd+neural"
         here = _nearest(self.calib, choice, _bucket(batch), MEASURED)
         return here.value if here is not None else self._calib(choice, None).value
 
