@@ -14,8 +14,9 @@ after a change of choice (it pays for the switch: the drafter catching up, no ca
 keeps a request's first round and rounds that another request's prefill overlapped out of the
 calibration (not out of the choice's own record: see ``observe_round``). So the formulas extrapolate
 and the measurements decide. The two SSD choices run the same rounds on a cache hit and differ only
-on a miss, so their records are kept by draft source too and rated from those parts (``_by_source``). Statistics only come from running a choice, so one that has not run at
-this batch size for a while gets a 3-round probe (``explore``, priced and spaced: ``_probe_due``).
+on a miss, so their records are kept by draft source too and rated from those parts (``_by_source``).
+Statistics only come from running a choice, so one that has not run at this batch size for a while
+gets a 3-round probe (``explore``, priced and spaced: ``_probe_due``).
 A new choice must predict ``hysteresis`` more than the current one, and a choice stays at least
 ``min_dwell`` rounds: every switch into SSD costs a round without a cached draft, so flapping on
 noise would cost more than it gains. Two rules keep stale or borrowed evidence from moving the
@@ -90,7 +91,7 @@ class ModePolicy:
         prompt the drafter drafted badly took SSD's factor to 0.6, and the never-run fast backup,
         at 1.0, looked 50% faster and took the batch on no evidence)."""
         if choice.startswith("ssd") and self._calib(choice, None).count == 0:
-            choice = "ssd+fast" if choice == "ssd+neural" else "ssd+neural"
+            choice = _other_ssd(choice)
         here = _nearest(self.calib, choice, _bucket(batch), MEASURED)
         return here.value if here is not None else self._calib(choice, None).value
 
@@ -137,8 +138,8 @@ class ModePolicy:
         same rounds); the miss rounds' are this choice's once measured, else the model's (the
         backup's acceptance at K; the hit rounds' seconds plus the backup's)."""
         kind = choice.partition("+")[2]
-        other = "ssd+fast" if kind == "neural" else "ssd+neural"
-        hit = next((h for c in (choice, other) if (h := self.parts.get((c, bucket, "hit"))) and h.count >= 1), None)
+        hits = (self.parts.get((c, bucket, "hit")) for c in (choice, _other_ssd(choice)))
+        hit = next((h for h in hits if h is not None and h.count >= 1), None)
         if hit is None:
             return None
         p = self.model.hit_share(kind)
@@ -196,7 +197,7 @@ class ModePolicy:
         if self.forced_mode and self.forced_mode in allowed:
             return _decision(self.forced_mode, "forced")
         if self.forced_backup:
-            other = "ssd+neural" if self.forced_backup == "fast" else "ssd+fast"
+            other = _other_ssd(f"ssd+{self.forced_backup}")
             allowed = tuple(c for c in allowed if c != other) or allowed
         if len(allowed) == 1:
             return _decision(allowed[0], "request" if not self.forced_backup else "forced")
@@ -362,6 +363,11 @@ def _nearest(table: dict, choice: str, bucket: int, least: float):
     """``table[(choice, b)]`` at ``_nearest_bucket``; else None."""
     b = _nearest_bucket(table, choice, bucket, least)
     return None if b is None else table[(choice, b)]
+
+
+def _other_ssd(choice: str) -> str:
+    """The SSD choice with the other backup."""
+    return "ssd+fast" if choice == "ssd+neural" else "ssd+neural"
 
 
 def _k_of(k: int, ks: dict[str, int] | None) -> dict[str, int]:
