@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ssd.algorithm.policy import CHOICES, ModePolicy
 
-from policy_setup import measure_rounds, measured_policy
+from policy_setup import alpha_at_k4, measure_rounds, measured_policy
 
 
 def test_policy_steps_aside_as_batch_grows():
@@ -284,6 +284,7 @@ def _rounds(pol, choice: str, pattern: str, hit=(4, 1.0), miss=(3, 1.3)) -> None
     backup = choice.partition("+")[2]
     for x in pattern:
         tokens, seconds = hit if x == "h" else miss
+        pol.rounds += 1  # as choose() counts them
         pol.observe_round(choice, tokens, seconds, 1, 4, 8, source="cache" if x == "h" else backup)
 
 
@@ -306,6 +307,25 @@ def test_the_ssd_backups_are_judged_by_their_misses_not_by_luck():
     # repetitive text: the n-gram draft's misses yield as much as a hit, at no drafting cost
     _rounds(pol, "ssd+fast", "mhmhm", miss=(4, 1.0))
     assert pol.choose(1, 4, 8, ("ssd+neural", "ssd+fast")).choice == "ssd+fast"
+
+
+def test_a_backup_s_miss_record_from_another_text_gives_way_to_the_model():
+    """Traced on the served bench: the warm-up haiku, which the drafter drafts badly, left the
+    neural backup's misses at 1.5 tokens; the batch moved to the fast backup, and since the neural
+    one never ran again, that record kept the batch on n-gram drafts (1 token a miss) through the
+    next requests. A miss record counts while it is as recent as the hit rounds it is set beside;
+    once the hit rounds have moved on by ``part_stale_after``, the misses are modelled from the
+    fresh hit rounds, and the neural backup takes the batch back."""
+    pol = measured_policy(p_hit=0.7)
+    pol.hysteresis, pol.current = 0.1, "ssd+fast"
+    both = ("ssd+neural", "ssd+fast")
+    _rounds(pol, "ssd+neural", "hmhm", hit=(2, 1.7), miss=(1.5, 1.9))  # the haiku
+    pol.model.e_miss["neural"].alpha = alpha_at_k4(1.5)  # what its SD and backup drafts taught
+    _rounds(pol, "ssd+fast", "hhhm" * 2, miss=(1, 1.0))  # a text the drafter drafts well
+    assert pol.choose(1, 4, 8, both).choice == "ssd+fast"  # a recent record stands
+    _rounds(pol, "ssd+fast", "hhhm" * 4, miss=(1, 1.0))
+    assert pol.rounds - pol.parts[("ssd+neural", 0, "miss")].last > pol.part_stale_after
+    assert pol.choose(1, 4, 8, both).choice == "ssd+neural"
 
 
 def test_an_uncalibrated_ssd_backup_borrows_the_other_s_calibration():

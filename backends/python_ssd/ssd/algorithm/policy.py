@@ -69,6 +69,7 @@ class ModePolicy:
     explore_budget: float = 0.03  # share of the rounds that probes may give up (see _probe_due)
     probe_rounds: int = 3  # the first pays for the switch; 2 measure (MEASURED)
     stale_after: int = 32  # rounds after which a choice's record is re-measured before a switch to it
+    part_stale_after: int = 16  # rounds of SSD hits after which a backup's miss record is modelled (_by_source)
     rounds: int = 0  # rounds of the batch so far (one per round, whatever the batch size)
     switched_at: int = -10**9  # round of the last switch (none yet: the first one may come at once)
     probe: str = ""  # the choice being probed, why (explore | confirm) and the round its probe ends at
@@ -136,18 +137,29 @@ class ModePolicy:
         backup (learned from every SSD round, ``hit_share``); the hit rounds' tokens and seconds
         are this choice's (else the other SSD choice's at this bucket: at batch 1 they are the
         same rounds); the miss rounds' are this choice's once measured, else the model's (the
-        backup's acceptance at K; the hit rounds' seconds plus the backup's)."""
+        backup's acceptance at K; the hit rounds' seconds plus the backup's).
+        The hit rounds are the latest of either SSD choice, and a miss record counts only while it
+        is as recent as they are (``part_stale_after``): a record stands for the text it was made
+        on (traced, served bench: the warm-up haiku, drafted at 1-2 tokens a round, left the neural
+        backup's misses at 1.5 tokens; the batch moved to the fast backup, and with the neural
+        backup never run again its haiku record kept the batch there for 256 rounds, SSD at 0.87x
+        SD on GSM8K). Modelled, a neural backup's miss yields what a hit does (``e_hit``, learned
+        from every SSD round: the backup drafts from the true outcome what the speculation would
+        have cached for it, with the same drafter); the fast one's, what the n-gram lookup scores
+        on every round (``e_miss["fast"]``)."""
         kind = choice.partition("+")[2]
-        hits = (self.parts.get((c, bucket, "hit")) for c in (choice, _other_ssd(choice)))
-        hit = next((h for h in hits if h is not None and h.count >= 1), None)
-        if hit is None:
+        hits = [h for h in (self.parts.get((c, bucket, "hit")) for c in (choice, _other_ssd(choice)))
+                if h is not None and h.count >= 1]
+        if not hits:
             return None
+        hit = max(hits, key=lambda h: h.last)
         p = self.model.hit_share(kind)
         miss = self.parts.get((choice, bucket, "miss"))
-        if miss is not None and miss.count >= MEASURED:
+        if miss is not None and miss.count >= MEASURED and hit.last - miss.last <= self.part_stale_after:
             m_tokens, m_seconds = miss.tokens.value, miss.seconds.value
         else:
-            m_tokens = self.model.e_miss[kind].tokens(k)
+            fresh = self.model.e_hit if kind == "neural" and self.model.e_hit.count else self.model.e_miss[kind]
+            m_tokens = fresh.tokens(k)
             m_seconds = hit.seconds.value + self.model.backup_seconds(kind, 2 ** bucket, k)
         return (p * hit.tokens.value + (1 - p) * m_tokens) / max(p * hit.seconds.value + (1 - p) * m_seconds, 1e-9)
 
