@@ -69,7 +69,6 @@ class ModePolicy:
     explore_budget: float = 0.03  # share of the rounds that probes may give up (see _probe_due)
     probe_rounds: int = 3  # the first pays for the switch; 2 measure (MEASURED)
     stale_after: int = 32  # rounds after which a choice's record is re-measured before a switch to it
-    part_stale_after: int = 16  # rounds of SSD hits after which a backup's miss record is modelled (_by_source)
     rounds: int = 0  # rounds of the batch so far (one per round, whatever the batch size)
     switched_at: int = -10**9  # round of the last switch (none yet: the first one may come at once)
     probe: str = ""  # the choice being probed, why (explore | confirm) and the round its probe ends at
@@ -133,20 +132,22 @@ class ModePolicy:
         backup. The two SSD choices differ only in their misses, one round in 4-5, so their plain
         records mostly measured luck (traced, served bench: a 2-round probe of the fast backup hit
         twice, and every later miss ran the n-gram draft at 1.0 token a round where the neural
-        backup's missed rounds yielded 3.7). So the share of hit rounds is the model's for this
-        backup (learned from every SSD round, ``hit_share``); the hit rounds' tokens and seconds
-        are this choice's (else the other SSD choice's at this bucket: at batch 1 they are the
-        same rounds); the miss rounds' are this choice's once measured, else the model's (the
-        backup's acceptance at K; the hit rounds' seconds plus the backup's).
-        The hit rounds are the latest of either SSD choice, and a miss record counts only while it
-        is as recent as they are (``part_stale_after``): a record stands for the text it was made
-        on (traced, served bench: the warm-up haiku, drafted at 1-2 tokens a round, left the neural
-        backup's misses at 1.5 tokens; the batch moved to the fast backup, and with the neural
-        backup never run again its haiku record kept the batch there for 256 rounds, SSD at 0.87x
-        SD on GSM8K). Modelled, a neural backup's miss yields what a hit does (``e_hit``, learned
-        from every SSD round: the backup drafts from the true outcome what the speculation would
-        have cached for it, with the same drafter); the fast one's, what the n-gram lookup scores
-        on every round (``e_miss["fast"]``)."""
+        backup's missed rounds yielded 3.7). So:
+        - the share of hit rounds is the model's for this backup (``hit_share``, learned from
+          every SSD round);
+        - the hit rounds' tokens and seconds are the latest of either SSD choice's at this bucket
+          (at batch 1 they are the same rounds);
+        - a miss round's tokens are what the backup's draft yields on the text decoding now: the
+          neural backup drafts, from the true outcome, what the speculation would have cached for
+          it (the same drafter), so as much as a hit; an n-gram draft, what the lookup scores on
+          every round whichever backup runs (``e_miss["fast"]``). Taken from the backup's own miss
+          rounds, they would describe the text those ran on (traced, served bench: the warm-up
+          haiku, drafted at 1-2 tokens a round, left the neural backup's misses at 1.5 tokens,
+          the batch moved to the n-gram backup, and since the neural one did not run again that
+          record held the batch there: GSM8K SSD 2.20 tok/s against SD's 2.51);
+        - a miss round's seconds are the hit rounds' plus the backup's drafting, which the text
+          does not change: what the backup's own miss rounds took over its own hit rounds (once
+          it has 2 misses and a hit here), else the model's (``backup_seconds``)."""
         kind = choice.partition("+")[2]
         hits = [h for h in (self.parts.get((c, bucket, "hit")) for c in (choice, _other_ssd(choice)))
                 if h is not None and h.count >= 1]
@@ -154,13 +155,13 @@ class ModePolicy:
             return None
         hit = max(hits, key=lambda h: h.last)
         p = self.model.hit_share(kind)
-        miss = self.parts.get((choice, bucket, "miss"))
-        if miss is not None and miss.count >= MEASURED and hit.last - miss.last <= self.part_stale_after:
-            m_tokens, m_seconds = miss.tokens.value, miss.seconds.value
+        m_tokens = hit.tokens.value if kind == "neural" else self.model.e_miss["fast"].tokens(k)
+        miss, own_hit = self.parts.get((choice, bucket, "miss")), self.parts.get((choice, bucket, "hit"))
+        if miss is not None and miss.count >= MEASURED and own_hit is not None and own_hit.count >= 1:
+            backup = max(0.0, miss.seconds.value - own_hit.seconds.value)  # both parts of one period
         else:
-            fresh = self.model.e_hit if kind == "neural" and self.model.e_hit.count else self.model.e_miss[kind]
-            m_tokens = fresh.tokens(k)
-            m_seconds = hit.seconds.value + self.model.backup_seconds(kind, 2 ** bucket, k)
+            backup = self.model.backup_seconds(kind, 2 ** bucket, k)
+        m_seconds = hit.seconds.value + backup
         return (p * hit.tokens.value + (1 - p) * m_tokens) / max(p * hit.seconds.value + (1 - p) * m_seconds, 1e-9)
 
     def observe_round(self, choice: str, tokens: int, seconds: float, batch: int, k: int, budget: int,
