@@ -330,6 +330,27 @@ def test_a_backup_s_misses_are_priced_on_the_text_decoding_now():
     assert pol.choose(1, 4, 8, ("ssd+neural", "ssd+fast")).choice == "ssd+neural"
 
 
+def test_at_a_larger_batch_hit_rounds_keep_their_backup_s_waits():
+    """At batch 1 a hit round waits for no backup, so either SSD choice's latest hit rounds time it;
+    at 8 sequences a hit row waits for the rows that missed (the neural backup's drafting), so the
+    fast backup's hit rounds keep their own, shorter, seconds; the tokens are the latest either way."""
+    pol = measured_policy(p_hit=0.8)
+
+    def rounds(choice: str, source: str, tokens: float, seconds: float) -> None:
+        for _ in range(3 * 8):  # 3 rounds, each reported by every sequence
+            pol.rounds += 1
+            pol.observe_round(choice, tokens, seconds, 8, 4, 8, source=source)
+
+    rounds("ssd+fast", "cache", 3.0, 2.0)
+    rounds("ssd+fast", "fast", 1.0, 2.0)
+    rounds("ssd+neural", "cache", 4.0, 2.5)  # the latest hit rounds, with the neural backup's waits
+    rounds("ssd+neural", "neural", 4.0, 2.6)
+    p = pol.model.hit_share("fast")
+    m_tokens = pol.model.e_miss["fast"].tokens(4)
+    expected = (p * 4.0 + (1 - p) * m_tokens) / 2.0  # its own seconds (no drafting after a miss)
+    assert abs(pol.rates(8, 4, 8)["ssd+fast"] - expected) < 1e-9
+
+
 def test_an_uncalibrated_ssd_backup_borrows_the_other_s_calibration():
     """A warm-up prompt the drafter drafts badly takes SSD's calibration factor down; the SSD
     choice that never ran shares every term of the formula but the miss term, so it shares that

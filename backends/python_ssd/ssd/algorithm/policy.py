@@ -145,24 +145,29 @@ class ModePolicy:
           haiku, drafted at 1-2 tokens a round, left the neural backup's misses at 1.5 tokens,
           the batch moved to the n-gram backup, and since the neural one did not run again that
           record held the batch there: GSM8K SSD 2.20 tok/s against SD's 2.51);
-        - a miss round's seconds are the hit rounds' plus the backup's drafting, which the text
-          does not change: what the backup's own miss rounds took over its own hit rounds (once
-          it has 2 misses and a hit here), else the model's (``backup_seconds``)."""
+        - the seconds of a hit round: at batch 1 either choice's latest (the round waits for no
+          backup); at a larger batch this choice's own, if it has any (a hit row waits for the
+          rows that missed, so its seconds belong to its backup);
+        - a miss round's seconds: those plus the backup's drafting, which the text does not
+          change: what the backup's own miss rounds took over its own hit rounds (once it has 2
+          misses and a hit here), else the model's (``backup_seconds``)."""
         kind = choice.partition("+")[2]
         hits = [h for h in (self.parts.get((c, bucket, "hit")) for c in (choice, _other_ssd(choice)))
                 if h is not None and h.count >= 1]
         if not hits:
             return None
         hit = max(hits, key=lambda h: h.last)
+        own_hit = next((h for h in hits if h is self.parts.get((choice, bucket, "hit"))), None)
+        timed = hit if bucket == 0 or own_hit is None else own_hit
         p = self.model.hit_share(kind)
         m_tokens = hit.tokens.value if kind == "neural" else self.model.e_miss["fast"].tokens(k)
-        miss, own_hit = self.parts.get((choice, bucket, "miss")), self.parts.get((choice, bucket, "hit"))
-        if miss is not None and miss.count >= MEASURED and own_hit is not None and own_hit.count >= 1:
+        miss = self.parts.get((choice, bucket, "miss"))
+        if miss is not None and miss.count >= MEASURED and own_hit is not None:
             backup = max(0.0, miss.seconds.value - own_hit.seconds.value)  # both parts of one period
         else:
             backup = self.model.backup_seconds(kind, 2 ** bucket, k)
-        m_seconds = hit.seconds.value + backup
-        return (p * hit.tokens.value + (1 - p) * m_tokens) / max(p * hit.seconds.value + (1 - p) * m_seconds, 1e-9)
+        m_seconds = timed.seconds.value + backup
+        return (p * hit.tokens.value + (1 - p) * m_tokens) / max(p * timed.seconds.value + (1 - p) * m_seconds, 1e-9)
 
     def observe_round(self, choice: str, tokens: int, seconds: float, batch: int, k: int, budget: int,
                       clean: bool = True, first: bool = False, source: str = "") -> None:
