@@ -135,8 +135,8 @@ class ModePolicy:
         backup's missed rounds yielded 3.7). So:
         - the share of hit rounds is the model's for this backup (``hit_share``, learned from
           every SSD round);
-        - the hit rounds' tokens and seconds are the latest of either SSD choice's at this bucket
-          (at batch 1 they are the same rounds);
+        - the hit rounds' tokens are the latest of either SSD choice's at this bucket (a cached
+          draft does not depend on the backup);
         - a miss round's tokens are what the backup's draft yields on the text decoding now: the
           neural backup drafts, from the true outcome, what the speculation would have cached for
           it (the same drafter), so as much as a hit; an n-gram draft, what the lookup scores on
