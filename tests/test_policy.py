@@ -279,13 +279,15 @@ def test_a_record_far_below_the_best_is_measured_again_in_time():
     assert pol.current == "ssd+neural"
 
 
-def _rounds(pol, choice: str, pattern: str, hit=(4, 1.0), miss=(3, 1.3)) -> None:
-    """SSD rounds at batch 1 in ``pattern`` order: h = from a cache hit, m = from the backup."""
+def _rounds(pol, choice: str, pattern: str, hit=(4, 1.0), miss=(3, 1.3), batch: int = 1) -> None:
+    """SSD rounds in ``pattern`` order, each reported by every one of ``batch`` sequences:
+    h = from a cache hit, m = from the backup."""
     backup = choice.partition("+")[2]
     for x in pattern:
         tokens, seconds = hit if x == "h" else miss
         pol.rounds += 1  # as choose() counts them
-        pol.observe_round(choice, tokens, seconds, 1, 4, 8, source="cache" if x == "h" else backup)
+        for _ in range(batch):
+            pol.observe_round(choice, tokens, seconds, batch, 4, 8, source="cache" if x == "h" else backup)
 
 
 def test_the_ssd_backups_are_judged_by_their_misses_not_by_luck():
@@ -324,7 +326,8 @@ def test_a_backup_s_misses_are_priced_on_the_text_decoding_now():
     _rounds(pol, "ssd+fast", "hhhm" * 2, miss=(1, 1.0))  # a text the drafter drafts well
     hit, stale = pol.parts[("ssd+fast", 0, "hit")], pol.parts[("ssd+neural", 0, "miss")]
     fast = pol.rates(1, 4, 8)["ssd+fast"]
-    by_record = (0.7 * hit.tokens.value + 0.3 * stale.tokens.value) / (0.7 * hit.seconds.value + 0.3 * stale.seconds.value)
+    p = pol.model.hit_share("neural")
+    by_record = (p * hit.tokens.value + (1 - p) * stale.tokens.value) / (p * hit.seconds.value + (1 - p) * stale.seconds.value)
     assert by_record < fast  # the trap: priced by the haiku's misses, the neural backup stays out
     assert pol.rates(1, 4, 8)["ssd+neural"] > fast * (1 + pol.hysteresis)
     assert pol.choose(1, 4, 8, ("ssd+neural", "ssd+fast")).choice == "ssd+neural"
@@ -335,16 +338,9 @@ def test_at_a_larger_batch_hit_rounds_keep_their_backup_s_waits():
     at 8 sequences a hit row waits for the rows that missed (the neural backup's drafting), so the
     fast backup's hit rounds keep their own, shorter, seconds; the tokens are the latest either way."""
     pol = measured_policy(p_hit=0.8)
-
-    def rounds(choice: str, source: str, tokens: float, seconds: float) -> None:
-        for _ in range(3 * 8):  # 3 rounds, each reported by every sequence
-            pol.rounds += 1
-            pol.observe_round(choice, tokens, seconds, 8, 4, 8, source=source)
-
-    rounds("ssd+fast", "cache", 3.0, 2.0)
-    rounds("ssd+fast", "fast", 1.0, 2.0)
-    rounds("ssd+neural", "cache", 4.0, 2.5)  # the latest hit rounds, with the neural backup's waits
-    rounds("ssd+neural", "neural", 4.0, 2.6)
+    _rounds(pol, "ssd+fast", "hhhmmm", hit=(3.0, 2.0), miss=(1.0, 2.0), batch=8)
+    # the latest hit rounds, with the neural backup's waits
+    _rounds(pol, "ssd+neural", "hhhmmm", hit=(4.0, 2.5), miss=(4.0, 2.6), batch=8)
     p = pol.model.hit_share("fast")
     m_tokens = pol.model.e_miss["fast"].tokens(4)
     expected = (p * 4.0 + (1 - p) * m_tokens) / 2.0  # its own seconds (no drafting after a miss)

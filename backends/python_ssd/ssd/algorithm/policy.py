@@ -152,22 +152,25 @@ class ModePolicy:
           change: what the backup's own miss rounds took over its own hit rounds (once it has 2
           misses and a hit here), else the model's (``backup_seconds``)."""
         kind = choice.partition("+")[2]
-        hits = [h for h in (self.parts.get((c, bucket, "hit")) for c in (choice, _other_ssd(choice)))
-                if h is not None and h.count >= 1]
-        if not hits:
+        own_hit, other_hit = self._part(choice, bucket, "hit", 1), self._part(_other_ssd(choice), bucket, "hit", 1)
+        if own_hit is None and other_hit is None:
             return None
-        hit = max(hits, key=lambda h: h.last)
-        own_hit = next((h for h in hits if h is self.parts.get((choice, bucket, "hit"))), None)
-        timed = hit if bucket == 0 or own_hit is None else own_hit
+        hit = max((h for h in (own_hit, other_hit) if h is not None), key=lambda h: h.last)
+        timed = own_hit if bucket > 0 and own_hit is not None else hit
         p = self.model.hit_share(kind)
         m_tokens = hit.tokens.value if kind == "neural" else self.model.e_miss["fast"].tokens(k)
-        miss = self.parts.get((choice, bucket, "miss"))
-        if miss is not None and miss.count >= MEASURED and own_hit is not None:
+        miss = self._part(choice, bucket, "miss", MEASURED)
+        if miss is not None and own_hit is not None:
             backup = max(0.0, miss.seconds.value - own_hit.seconds.value)  # both parts of one period
         else:
             backup = self.model.backup_seconds(kind, 2 ** bucket, k)
         m_seconds = timed.seconds.value + backup
         return (p * hit.tokens.value + (1 - p) * m_tokens) / max(p * timed.seconds.value + (1 - p) * m_seconds, 1e-9)
+
+    def _part(self, choice: str, bucket: int, source: str, least: float) -> "Measured | None":
+        """The hit or miss part of an SSD choice's record at this bucket, once it has ``least`` rounds."""
+        m = self.parts.get((choice, bucket, source))
+        return m if m is not None and m.count >= least else None
 
     def observe_round(self, choice: str, tokens: int, seconds: float, batch: int, k: int, budget: int,
                       clean: bool = True, first: bool = False, source: str = "") -> None:
