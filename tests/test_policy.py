@@ -360,3 +360,41 @@ def test_an_uncalibrated_ssd_backup_borrows_the_other_s_calibration():
     rates = pol.rates(1, 4, 8)
     assert abs(rates["ssd+fast"] / rates["ssd+neural"] - model["ssd+fast"] / model["ssd+neural"]) < 1e-9
     assert pol.choose(1, 4, 8, ("ssd+neural", "ssd+fast")).choice == "ssd+neural"
+
+
+def test_a_choice_with_no_record_is_probed_before_the_batch_moves_to_it():
+    """Traced on the served bench: two rounds into the warm-up haiku, a lucky 5-token hit raised
+    SSD's calibration; the never-run n-gram backup, priced by the formula times that factor, beat
+    the neural backup's record by 17%, the batch moved and the dwell held it there for 16 rounds
+    while its misses yielded one token. A choice with no record where the current one has one is
+    measured first (a probe, reason "confirm"); its record then decides."""
+    pol = measured_policy(p_hit=0.75)
+    pol.hysteresis, pol.min_dwell, pol.current = 0.1, 16, "ssd+neural"
+    _rounds(pol, "ssd+neural", "hh", hit=(3, 1.0))
+    pol.model.e_hit.alpha = alpha_at_k4(4.5)  # acceptance learned since: the formula rises, the record does not
+    rates = pol.rates(1, 4, 8)
+    assert rates["ssd+fast"] > rates["ssd+neural"] * (1 + pol.hysteresis)  # the trap
+    allowed = ("ssd+neural", "ssd+fast")
+    for x in "mhm":  # the probe: the n-gram backup's misses yield 1 token
+        d = pol.choose(1, 4, 8, allowed)
+        assert (d.choice, d.reason) == ("ssd+fast", "confirm")
+        pol.observe_round("ssd+fast", 1 if x == "m" else 3, 1.0, 1, 4, 8, source="fast" if x == "m" else "cache")
+    assert pol.rates(1, 4, 8)["ssd+fast"] < pol.rates(1, 4, 8)["ssd+neural"]
+    assert pol.choose(1, 4, 8, allowed).choice == "ssd+neural"
+
+
+def test_the_ssd_choices_switch_without_a_dwell_other_choices_dwell():
+    """The two SSD choices run the same speculation and keep its cache; only the draft after a miss
+    differs, so moving between them costs nothing and the dwell (which keeps switches that cost a
+    round from flapping) does not hold the batch on the worse one. A move into or out of SSD does."""
+    pol = measured_policy(p_hit=0.5)
+    pol.hysteresis, pol.min_dwell = 0.1, 16
+    _rounds(pol, "ssd+neural", "hhm", hit=(4, 1.0), miss=(4, 1.3))
+    _rounds(pol, "ssd+fast", "hhm", hit=(4, 1.0), miss=(1, 1.0))
+    measure_rounds(pol, "sd", 0.5, 1)
+    rates = pol.rates(1, 4, 8)
+    assert rates["ssd+neural"] > rates["ssd+fast"] * (1 + pol.hysteresis)
+    pol.current, pol.switched_at = "ssd+fast", pol.rounds  # just moved there
+    assert pol.choose(1, 4, 8, ("ssd+neural", "ssd+fast")).choice == "ssd+neural"
+    pol.current, pol.switched_at = "sd", pol.rounds  # just moved to SD: it stays for the dwell
+    assert pol.choose(1, 4, 8, ("ssd+neural", "sd")).choice == "sd"

@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 
 from .estimators import Ema, Measured
-from .speedup_model import CHOICES, SpeedupModel
+from .speedup_model import CHOICES, SpeedupModel, free_switch
 
 MEASURED = 2  # rounds of calibration after which a choice counts as measured at a batch size
 
@@ -267,14 +267,18 @@ class ModePolicy:
             return self._start_probe(min(stale, key=lambda c: self.last_run.get((c, bk), 0)), "explore", rates, bk)
         best = max(allowed, key=lambda c: rates[c])
         cur = self.current if self.current in allowed else best
-        settled = self.rounds - self.switched_at >= self.min_dwell
+        free = free_switch(cur, best)  # between the SSD choices: nothing to pay, nothing to dwell on
+        settled = free or self.rounds - self.switched_at >= self.min_dwell
         if cur != best and (cur not in allowed or settled and rates[best] > rates[cur] * (1 + self.hysteresis)):
-            if cur in allowed and self._stale(best, bk):
+            if cur in allowed and (self._stale(best, bk) or self._unproven(best, bk)):
                 # its record is old and the current choice's is fresh: a machine that slowed down
                 # shows in the running choice alone (traced at 8 users: AR's rounds went from 0.44
-                # to 0.58 s, and the batch moved to SD for 16 rounds on a 60-s-old figure)
+                # to 0.58 s, and the batch moved to SD for 16 rounds on a 60-s-old figure); or it
+                # has none here and the current choice has (see _unproven)
                 return self._start_probe(best, "confirm", rates, bk)
-            cur, self.switched_at = best, self.rounds
+            cur = best
+            if not free:
+                self.switched_at = self.rounds
         self.current = cur
         return self._ran(_decision(cur, "policy", rates), bk)
 
@@ -319,6 +323,18 @@ class ModePolicy:
                     m.forget()
         self.probe, self.probe_reason, self.probe_until = choice, reason, self.rounds + self.probe_rounds
         return self._ran(_decision(choice, reason, rates), bucket)
+
+    def _unproven(self, choice: str, bucket: int) -> bool:
+        """No record at this bucket while the current choice has one, and no probe of it just
+        ended: its rate is the formula's guess against the current choice's measurement, so it is
+        measured before the batch moves (traced, served bench: 2 rounds into the warm-up haiku a
+        lucky 5-token hit raised SSD's calibration, the never-run n-gram backup, priced by the
+        formula times that factor, beat the neural backup's record by 17%, and the dwell then held
+        it for 16 rounds while its record said 0.74 tokens/s against the neural backup's 2.2)."""
+        if self._measured_here(choice, bucket) is not None or self._measured_here(self.current, bucket) is None:
+            return False
+        probed = self.last_run.get((choice, bucket))
+        return probed is None or self.rounds - probed > 1
 
     def _stale(self, choice: str, bucket: int) -> bool:
         """Measured at this bucket, but not for ``stale_after`` rounds."""

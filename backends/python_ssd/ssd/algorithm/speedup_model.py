@@ -39,6 +39,14 @@ from .estimators import Acceptance, Ema
 CHOICES = ("ssd+neural", "ssd+fast", "sd", "ar")
 
 
+def free_switch(a: str, b: str) -> bool:
+    """Whether moving between choices ``a`` and ``b`` costs nothing: the two SSD choices run the
+    same speculation and keep its cache, and differ only in what drafts after a miss. Any other
+    switch costs a round (the drafter catches up on the rounds it sat out; SSD's first round has
+    no cached draft)."""
+    return a.startswith("ssd") and b.startswith("ssd")
+
+
 @dataclass
 class SpeedupModel:
     # cache hit rate by the source of the draft being verified: "model" (cached / neural) or "fast"

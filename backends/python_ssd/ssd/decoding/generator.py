@@ -22,6 +22,7 @@ from ..algorithm.fanout import FanoutEstimator, allocate
 from ..algorithm.ngram import propose
 from ..algorithm.policy import Decision, ModePolicy
 from ..algorithm.sampling import SamplingParams
+from ..algorithm.speedup_model import free_switch
 from ..algorithm.stats import RequestStats
 from ..workers.protocol import (DraftCall, DraftResult, FetchCall, SpeculateCall, SpeculateResult,
                                 VerifyCall, VerifyResult)
@@ -297,11 +298,13 @@ class Generation:
             prefix = prefix + block
             # A round right after a change of choice pays for the change (the drafter catches up on
             # the tokens of the rounds it sat out; SSD's first round has no cached draft): it says
-            # what switching costs, not what the choice yields, so the policy does not see it. A
+            # what switching costs, not what the choice yields, so the policy does not see it (a
+            # move between the SSD choices costs nothing: speedup_model.free_switch). A
             # request's first round and one that another request's prefill overlapped are part of
             # what the choice yields under load, but not of what the formula prices (see
             # ModePolicy.observe_round).
-            first, switched = not self.last_choice, self.last_choice not in ("", d.choice)
+            first = not self.last_choice
+            switched = not first and self.last_choice != d.choice and not free_switch(self.last_choice, d.choice)
             self.last_choice = d.choice
             if not switched:
                 clean = not first and mark is not None and mark == self.shared.prefill_mark()
