@@ -35,6 +35,7 @@ def test_inprocess_runner_is_exact_and_reports(engine_root, codec, tmp_path):
     for r in rows:
         assert r["decode_tokens_per_s"] > 0 and r["acceptance_length"] >= 1.0
         assert sum(r["rounds_by_choice"].values()) == r["rounds"]
+        assert r["verify_forward_ms"] > 0 and r["verify_outside_forward_ms"] >= 0  # forward inside the call
 
 
 def test_inprocess_runner_answers_jobs_from_stdin(engine_root, codec):
@@ -102,6 +103,11 @@ def test_report_counts_divergences_and_fits_the_miss_rate(tmp_path):
     paired = {"split": [row("greedy", "ar", 0, [1], 2.0), row("greedy", "ar", 1, [1], 10.0)],
               "inproc": [dict(mode="ar", dataset="toy", prompt=0, decode_tokens_per_s=2.5)]}
     assert abs(report.serving_ratio(paired, "ar") - 0.8) < 1e-12
+    # time outside the forward: served 12 ms, in-process 2 ms per verify, in a 1000-ms served round
+    timed = {"split": [row("greedy", "ar", 0, [1], 1.0, verify_forward_ms=900.0, verify_outside_forward_ms=12.0)],
+             "inproc": [dict(mode="ar", dataset="toy", prompt=0, verify_forward_ms=880.0, verify_outside_forward_ms=2.0)]}
+    timed["split"][0]["acceptance_length"] = 1.0
+    assert "| ar | 900 / 12.0 | 880 / 2.0 | 1.0% |" in report.outside_forward(timed)
     _, _, r, c = report.budget_fit(raw)
     assert abs(r - 1.0) < 1e-9 and abs(c - 0.8) < 1e-9
     for png in ("throughput.png", "hit_rate_vs_budget.png", "ssd_over_sd_predicted_vs_measured.png"):

@@ -101,7 +101,7 @@ def test_rounds_overlapping_a_prefill_count_in_the_measured_rate_but_do_not_cali
 
 
 def test_ssd_rounds_reach_the_policy_with_their_draft_source(engines, codec):
-    """The policy judges the SSD backups by their misses (ModePolicy._by_source): each SSD round
+    """The policy judges the SSD backups by their misses (algorithm/ssd_parts.py): each SSD round
     it is shown lands in the hit or the miss part of its choice's record, as the request's own
     statistics saw its draft's source (a request's first round is in the means, not the count)."""
     from ssd.decoding.generator import DecodeConfig, SharedState

@@ -66,6 +66,8 @@ def test_http_generate_equals_in_process_greedy(server, reference, codec, mode):
         assert d["text_output"] == codec.decode(ref)
         stats = json.loads(d["stats"])
         assert stats["mode"] == mode and stats["new_tokens"] == len(ref)
+        # the target's forward time comes back through BLS, inside the verify's round trip
+        assert stats["verify_forward_ms"] > 0 and stats["verify_outside_forward_ms"] >= 0
         if mode != "ar":
             assert stats["rounds"] >= 1 and stats["acceptance_length"] >= 1.0
         choices = stats["rounds_by_choice"]

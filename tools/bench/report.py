@@ -203,6 +203,25 @@ def serving_ratio(raw: dict, mode: str) -> float:
     return mean(served) / mean(inproc.values()) if served and inproc else float("nan")
 
 
+def outside_forward(raw: dict) -> str:
+    """Per verify call, the round trip minus the target's own forward time, served and in-process
+    on the same requests: the serving cost measured inside each request, so unlike the tok/s ratio
+    above it does not move with the machine's speed between the two runs."""
+    lines = ["| mode | served: forward / outside (ms per verify) | in-process: forward / outside | serving cost, "
+             "% of a served round |", "|---|---|---|---|"]
+    for mode in ("ar", "sd", "ssd"):
+        served = [r for r in greedy_rows(raw, "split", mode) if r.get("verify_forward_ms") is not None]
+        inproc = [r for r in greedy_rows(raw, "inproc", mode) if r.get("verify_forward_ms") is not None]
+        if not served or not inproc:
+            continue
+        f_s, o_s = mean(r["verify_forward_ms"] for r in served), mean(r["verify_outside_forward_ms"] for r in served)
+        f_i, o_i = mean(r["verify_forward_ms"] for r in inproc), mean(r["verify_outside_forward_ms"] for r in inproc)
+        # a served round: tokens per round over decode tok/s
+        round_ms = mean(1000 * r["acceptance_length"] / r["decode_tokens_per_s"] for r in served if r["decode_tokens_per_s"])
+        lines.append(f"| {mode} | {f_s:.0f} / {o_s:.1f} | {f_i:.0f} / {o_i:.1f} | {100 * (o_s - o_i) / round_ms:.1f}% |")
+    return "\n".join(lines) if len(lines) > 2 else "(no per-call timing in these rows)"
+
+
 def targets(raw: dict, fig: dict) -> str:
     g = lambda k: fig.get(k, float("nan"))  # noqa: E731
     ssd, sd, ar = g("SSD K=4 B=12, 1+1 cores"), g("SD K=4, 1+1 cores (serial)"), g("AR, 1 core")
@@ -237,7 +256,8 @@ def write(raw: dict, out: Path) -> str:
     meta = raw["meta"]
     parts = [f"# Bench ({meta['preset']}): batch 1, {meta['max_tokens']} new tokens, {meta['wall_s'] / 60:.1f} min\n"]
     overall, figures = table(raw, None)
-    parts += ["## Overall (greedy)\n", overall, "\n## Targets\n", targets(raw, figures)]
+    parts += ["## Overall (greedy)\n", overall, "\n## Targets\n", targets(raw, figures),
+              "\n## Time outside the target's forward, per verify call\n", outside_forward(raw)]
     for ds in meta["datasets"]:
         parts += [f"\n## {ds} (greedy)\n", table(raw, ds)[0]]
     parts += ["\n## Temperature 0.7 (served, 1+1 cores)\n", sampled_table(raw)]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MEASURED = 2  # rounds after which a record counts as a measurement (of a choice at a batch size)
+
 
 @dataclass
 class Ema:

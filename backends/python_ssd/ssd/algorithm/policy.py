@@ -14,7 +14,7 @@ after a change of choice (it pays for the switch: the drafter catching up, no ca
 keeps a request's first round and rounds that another request's prefill overlapped out of the
 calibration (not out of the choice's own record: see ``observe_round``). So the formulas extrapolate
 and the measurements decide. The two SSD choices run the same rounds on a cache hit and differ only
-on a miss, so their records are kept by draft source too and rated from those parts (``_by_source``).
+on a miss, so their records are kept by draft source too and rated from those parts (ssd_parts.py).
 Statistics only come from running a choice, so one that has not run at this batch size for a while
 gets a 3-round probe (``explore``, priced and spaced: ``_probe_due``).
 A new choice must predict ``hysteresis`` more than the current one, and a choice stays at least
@@ -33,10 +33,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .estimators import Ema, Measured
+from .estimators import MEASURED, Ema, Measured
 from .speedup_model import CHOICES, SpeedupModel, free_switch
-
-MEASURED = 2  # rounds of calibration after which a choice counts as measured at a batch size
+from .ssd_parts import SsdParts, other_ssd
 
 
 @dataclass
@@ -61,7 +60,7 @@ class ModePolicy:
     model: SpeedupModel = field(default_factory=SpeedupModel)  # the predictions and what they learn from
     calib: dict = field(default_factory=dict)  # (choice, bucket or None for all sizes) -> Ema
     measured: dict = field(default_factory=dict)  # (choice, bucket) -> Measured
-    parts: dict = field(default_factory=dict)  # (ssd choice, bucket, "hit" | "miss") -> Measured (_by_source)
+    parts: SsdParts = field(default_factory=SsdParts)  # the SSD choices' records by draft source
     current: str = "ssd+neural"
     explore_new: int = 8  # rounds between tries of a choice with < MEASURED rounds of calibration
     explore_every: int = 256  # ... and of one measured before
@@ -91,7 +90,7 @@ class ModePolicy:
         prompt the drafter drafted badly took SSD's factor to 0.6, and the never-run fast backup,
         at 1.0, looked 50% faster and took the batch on no evidence)."""
         if choice.startswith("ssd") and self._calib(choice, None).count == 0:
-            choice = _other_ssd(choice)
+            choice = other_ssd(choice)
         here = _nearest(self.calib, choice, _bucket(batch), MEASURED)
         return here.value if here is not None else self._calib(choice, None).value
 
@@ -124,53 +123,8 @@ class ModePolicy:
         m = self._measured_here(choice, bucket)
         if m is None:
             return None
-        by_source = self._by_source(choice, bucket, k) if choice.startswith("ssd") else None
+        by_source = self.parts.rate(choice, bucket, k, self.model) if choice.startswith("ssd") else None
         return m.rate if by_source is None else by_source
-
-    def _by_source(self, choice: str, bucket: int, k: int) -> float | None:
-        """SSD's rate from its rounds split by where their draft came from: a cache hit or the
-        backup. The two SSD choices differ only in their misses, one round in 4-5, so their plain
-        records mostly measured luck (traced, served bench: a 2-round probe of the fast backup hit
-        twice, and every later miss ran the n-gram draft at 1.0 token a round where the neural
-        backup's missed rounds yielded 3.7). So:
-        - the share of hit rounds is the model's for this backup (``hit_share``, learned from
-          every SSD round);
-        - the hit rounds' tokens are the latest of either SSD choice's at this bucket (a cached
-          draft does not depend on the backup);
-        - a miss round's tokens are what the backup's draft yields on the text decoding now: the
-          neural backup drafts, from the true outcome, what the speculation would have cached for
-          it (the same drafter), so as much as a hit; an n-gram draft, what the lookup scores on
-          every round whichever backup runs (``e_miss["fast"]``). Taken from the backup's own miss
-          rounds, they would describe the text those ran on (traced, served bench: the warm-up
-          haiku, drafted at 1-2 tokens a round, left the neural backup's misses at 1.5 tokens,
-          the batch moved to the n-gram backup, and since the neural one did not run again that
-          record held the batch there: GSM8K SSD 2.20 tok/s against SD's 2.51);
-        - the seconds of a hit round: at batch 1 either choice's latest (the round waits for no
-          backup); at a larger batch this choice's own, if it has any (a hit row waits for the
-          rows that missed, so its seconds belong to its backup);
-        - a miss round's seconds: those plus the backup's drafting, which the text does not
-          change: what the backup's own miss rounds took over its own hit rounds (once it has 2
-          misses and a hit here), else the model's (``backup_seconds``)."""
-        kind = choice.partition("+")[2]
-        own_hit, other_hit = self._part(choice, bucket, "hit", 1), self._part(_other_ssd(choice), bucket, "hit", 1)
-        if own_hit is None and other_hit is None:
-            return None
-        hit = max((h for h in (own_hit, other_hit) if h is not None), key=lambda h: h.last)
-        timed = own_hit if bucket > 0 and own_hit is not None else hit
-        p = self.model.hit_share(kind)
-        m_tokens = hit.tokens.value if kind == "neural" else self.model.e_miss["fast"].tokens(k)
-        miss = self._part(choice, bucket, "miss", MEASURED)
-        if miss is not None and own_hit is not None:
-            backup = max(0.0, miss.seconds.value - own_hit.seconds.value)  # both parts of one period
-        else:
-            backup = self.model.backup_seconds(kind, 2 ** bucket, k)
-        m_seconds = timed.seconds.value + backup
-        return (p * hit.tokens.value + (1 - p) * m_tokens) / max(p * timed.seconds.value + (1 - p) * m_seconds, 1e-9)
-
-    def _part(self, choice: str, bucket: int, source: str, least: float) -> "Measured | None":
-        """The hit or miss part of an SSD choice's record at this bucket, once it has ``least`` rounds."""
-        m = self.parts.get((choice, bucket, source))
-        return m if m is not None and m.count >= least else None
 
     def observe_round(self, choice: str, tokens: int, seconds: float, batch: int, k: int, budget: int,
                       clean: bool = True, first: bool = False, source: str = "") -> None:
@@ -184,7 +138,7 @@ class ModePolicy:
         ``first`` round is in the record's means but not its round count (``Measured``): a
         choice is measured once it has rounds of its own, not just requests' starts. An SSD round
         also goes into the part of its record for its draft ``source`` (cache: a hit; else the
-        backup's name): see ``_by_source``."""
+        backup's name): see ssd_parts.py."""
         if seconds <= 0 or not self.model.known:
             return
         predicted = self.model.rates(batch, k, budget)[choice]
@@ -200,8 +154,7 @@ class ModePolicy:
             record = self.measured.setdefault((choice, _bucket(batch)), Measured())
             record.update(tokens, seconds, w, self.rounds, counts=not first)
             if source and choice.startswith("ssd"):
-                part = (choice, _bucket(batch), "hit" if source == "cache" else "miss")
-                self.parts.setdefault(part, Measured()).update(tokens, seconds, w, self.rounds, counts=not first)
+                self.parts.observe(choice, _bucket(batch), source, tokens, seconds, w, self.rounds, not first)
             if clean:
                 self._calib(choice, _bucket(batch)).update(ratio, w)
                 self._calib(choice, None).update(ratio, w)
@@ -218,7 +171,7 @@ class ModePolicy:
         if self.forced_mode and self.forced_mode in allowed:
             return _decision(self.forced_mode, "forced")
         if self.forced_backup:
-            other = _other_ssd(f"ssd+{self.forced_backup}")
+            other = other_ssd(f"ssd+{self.forced_backup}")
             allowed = tuple(c for c in allowed if c != other) or allowed
         if len(allowed) == 1:
             return _decision(allowed[0], "request" if not self.forced_backup else "forced")
@@ -318,9 +271,8 @@ class ModePolicy:
 
     def _start_probe(self, choice: str, reason: str, rates: dict, bucket: int) -> Decision:
         if self._stale(choice, bucket):  # an old record: the probe's rounds are news, not noise
-            for m in [self.measured[(choice, bucket)]] + [self.parts.get((choice, bucket, p)) for p in ("hit", "miss")]:
-                if m is not None:
-                    m.forget()
+            self.measured[(choice, bucket)].forget()
+            self.parts.forget(choice, bucket)
         self.probe, self.probe_reason, self.probe_until = choice, reason, self.rounds + self.probe_rounds
         return self._ran(_decision(choice, reason, rates), bucket)
 
@@ -400,11 +352,6 @@ def _nearest(table: dict, choice: str, bucket: int, least: float):
     """``table[(choice, b)]`` at ``_nearest_bucket``; else None."""
     b = _nearest_bucket(table, choice, bucket, least)
     return None if b is None else table[(choice, b)]
-
-
-def _other_ssd(choice: str) -> str:
-    """The SSD choice with the other backup."""
-    return "ssd+fast" if choice == "ssd+neural" else "ssd+neural"
 
 
 def _k_of(k: int, ks: dict[str, int] | None) -> dict[str, int]:

@@ -24,6 +24,13 @@ class RequestStats:
     t_speculate: float = 0.0
     t_backup: float = 0.0
     t_draft: float = 0.0
+    # verify calls that came back with the engine's own forward time (at batch > 1 only the first
+    # sequence of a message gets it): round trip and forward seconds, so what lies outside the
+    # forward (BLS, JSON, queues; in-process the thread hop) is measured inside one request,
+    # whatever the machine's speed that minute
+    n_verify_timed: int = 0
+    t_verify_timed: float = 0.0
+    t_verify_forward: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
     new_tokens: int = 0
@@ -40,6 +47,12 @@ class RequestStats:
             self.draft_lens[k] += 1
         if rates:
             self.last_rates = rates
+
+    def record_verify_call(self, round_trip: float, timing: list) -> None:
+        if timing:
+            self.n_verify_timed += 1
+            self.t_verify_timed += round_trip
+            self.t_verify_forward += sum(s for _, s in timing)
 
     def record_round(self, produced: int, source: str) -> None:
         self.rounds += 1
@@ -91,6 +104,9 @@ class RequestStats:
             "policy_rates_tok_s": {k: round(v, 3) for k, v in self.last_rates.items()},
             "degraded": self.degraded,
             "t_verify_ms": round(1000 * t_v, 2),
+            "verify_forward_ms": round(1000 * self.t_verify_forward / max(self.n_verify_timed, 1), 2),
+            "verify_outside_forward_ms": round(1000 * (self.t_verify_timed - self.t_verify_forward)
+                                               / max(self.n_verify_timed, 1), 2),
             "t_p": round(t_p, 4),
             "t_b": round(t_b, 4),
             "t_sd_draft": round(t_d, 4),

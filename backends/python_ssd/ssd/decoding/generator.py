@@ -280,6 +280,7 @@ class Generation:
             pol.model.observe_timing("target", r.timing)
             pol.model.observe_timing("drafter", s.timing)
             self.stats.t_verify += tv
+            self.stats.record_verify_call(tv, r.timing)
             self.stats.t_speculate += tp
             block = draft.tokens[:r.accepted] + [r.token]
             self.stats.record_round(len(block), source)
