@@ -85,7 +85,8 @@ class Progress:
 def served_row(d: dict, **tags) -> dict:
     s = d["stats"]
     keep = ("decode_tokens_per_s", "acceptance_length", "p_hit", "new_tokens", "speedup_predicted", "t_verify_ms",
-            "t_p", "t_b", "t_sd_draft", "verify_forward_ms", "verify_outside_forward_ms", "backup_used", "e_hit", "e_miss", "rounds_by_choice", "prefill_s", "draft_lens")
+            "t_p", "t_b", "t_sd_draft", "verify_forward_ms", "verify_outside_forward_ms", "backup_used", "e_hit",
+            "e_miss", "rounds_by_choice", "prefill_s", "draft_lens")
     return {**tags, "ids": d["output_ids"] if isinstance(d["output_ids"], list) else [d["output_ids"]],
             "latency_s": d["latency_s"], **{k: s.get(k) for k in keep}}
 
