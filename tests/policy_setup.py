@@ -1,5 +1,5 @@
 """The policy tests' shared setup: a policy that has measured engines of a known shape, and
-rounds fed to it at chosen rates (test_policy.py, test_speedup_model.py)."""
+rounds fed to it at chosen rates (test_policy.py, test_policy_switching.py, test_speedup_model.py)."""
 from __future__ import annotations
 
 from ssd.algorithm.policy import ModePolicy
@@ -49,3 +49,14 @@ def verify_bound_policy(drafter_row_cost: float) -> ModePolicy:
     pol.model.e_hit.alpha = pol.model.e_miss["neural"].alpha = 0.8
     pol.model.e_hit.count = 1
     return pol
+
+
+def ssd_rounds(pol, choice: str, pattern: str, hit=(4, 1.0), miss=(3, 1.3), batch: int = 1) -> None:
+    """SSD rounds in ``pattern`` order, each reported by every one of ``batch`` sequences:
+    h = from a cache hit, m = from the backup."""
+    backup = choice.partition("+")[2]
+    for x in pattern:
+        tokens, seconds = hit if x == "h" else miss
+        pol.rounds += 1  # as choose() counts them
+        for _ in range(batch):
+            pol.observe_round(choice, tokens, seconds, batch, 4, 8, source="cache" if x == "h" else backup)

@@ -1,11 +1,12 @@
 """Unit tests of the mode policy's decisions: calibration and measured records, probes, dwell,
 the step-aside ladder, confirmation and re-measurement (engine-free: the engines' costs are fed in).
+The rules for moving the batch from one choice to another are in test_policy_switching.py.
 The predictions it decides from are tested in test_speedup_model.py."""
 from __future__ import annotations
 
 from ssd.algorithm.policy import CHOICES, ModePolicy
 
-from policy_setup import alpha_at_k4, measure_rounds, measured_policy
+from policy_setup import alpha_at_k4, measure_rounds, measured_policy, ssd_rounds
 
 
 def test_policy_steps_aside_as_batch_grows():
@@ -121,44 +122,6 @@ def test_a_choice_beaten_at_a_smaller_batch_is_neither_probed_nor_chosen_at_a_la
         measure_rounds(mine, c, rate, 4)
     measure_rounds(mine, "ssd+neural", 9.0, 8)
     assert mine.choose(8, 4, 8, allowed=("ssd+neural", "sd")).choice == "ssd+neural"
-
-
-def test_a_stale_record_is_measured_again_before_the_batch_moves_to_it():
-    """A machine that slows down shows in the running choice's record alone: the batch moves to a
-    choice whose record is old only after a probe confirms it, and that probe's rounds outweigh
-    the old ones."""
-    def setup() -> ModePolicy:
-        pol = measured_policy()
-        pol.hysteresis = 0.1
-        measure_rounds(pol, "sd", 2.6, 8, rounds=20)
-        measure_rounds(pol, "ar", 2.8, 8, rounds=20)
-        pol.current = "ar"
-        for _ in range(pol.stale_after + 1):  # AR runs on; SD's record ages
-            assert pol.choose(8, 4, 8, allowed=("ar", "sd")).choice == "ar"
-        measure_rounds(pol, "ar", 2.0, 8, rounds=20)  # everything slows down; only AR sees it
-        return pol
-
-    for sd_now, after in ((1.9, "ar"), (3.0, "sd")):
-        pol = setup()
-        assert pol.rates(8, 4, 8)["sd"] > 1.1 * pol.rates(8, 4, 8)["ar"]
-        probe = [pol.choose(8, 4, 8, allowed=("ar", "sd")) for _ in range(pol.probe_rounds)]
-        assert [(d.choice, d.reason) for d in probe] == [("sd", "confirm")] * pol.probe_rounds
-        measure_rounds(pol, "sd", sd_now, 8, rounds=1)  # the probe's measured round
-        assert abs(pol.rates(8, 4, 8)["sd"] - sd_now) < 0.5 * abs(2.6 - sd_now)  # it outweighs the old ones
-        assert pol.choose(8, 4, 8, allowed=("ar", "sd")).choice == after
-
-
-def test_policy_dwells_before_switching_again():
-    pol = measured_policy()
-    pol.min_dwell = 16
-    pol.current, pol.switched_at, pol.rounds = "ar", 0, 100  # long settled on a poor choice
-    assert pol.choose(1, 4, 8).choice != "ar"  # switches at once
-    better = pol.current
-    pol.model.e_miss["neural"].alpha = pol.model.e_hit.alpha = 0.0  # drafts turn useless: AR is best now
-    assert pol.choose(1, 4, 8).choice == better  # but the last switch was just now: it stays
-    for _ in range(16):
-        d = pol.choose(1, 4, 8)
-    assert d.choice == "ar"
 
 
 def test_policy_explores_choices_it_has_not_measured():
@@ -279,17 +242,6 @@ def test_a_record_far_below_the_best_is_measured_again_in_time():
     assert pol.current == "ssd+neural"
 
 
-def _rounds(pol, choice: str, pattern: str, hit=(4, 1.0), miss=(3, 1.3), batch: int = 1) -> None:
-    """SSD rounds in ``pattern`` order, each reported by every one of ``batch`` sequences:
-    h = from a cache hit, m = from the backup."""
-    backup = choice.partition("+")[2]
-    for x in pattern:
-        tokens, seconds = hit if x == "h" else miss
-        pol.rounds += 1  # as choose() counts them
-        for _ in range(batch):
-            pol.observe_round(choice, tokens, seconds, batch, 4, 8, source="cache" if x == "h" else backup)
-
-
 def test_the_ssd_backups_are_judged_by_their_misses_not_by_luck():
     """The two SSD choices run the same rounds on a hit and differ only on a miss (one round in
     five here). Two lucky rounds of the fast backup, both hits, out-ran the neural backup's record,
@@ -299,8 +251,8 @@ def test_the_ssd_backups_are_judged_by_their_misses_not_by_luck():
     neural backup stays; when the fast backup's misses do yield more, it takes over."""
     pol = measured_policy()
     pol.hysteresis, pol.current = 0.1, "ssd+neural"
-    _rounds(pol, "ssd+neural", "hhhhm" * 4, miss=(3, 1.6))
-    _rounds(pol, "ssd+fast", "hh")
+    ssd_rounds(pol, "ssd+neural", "hhhhm" * 4, miss=(3, 1.6))
+    ssd_rounds(pol, "ssd+fast", "hh")
     plain = {c: pol.measured[(c, 0)].rate for c in ("ssd+neural", "ssd+fast")}
     assert plain["ssd+fast"] > plain["ssd+neural"] * (1 + pol.hysteresis)  # the trap
     rates = pol.rates(1, 4, 8)
@@ -309,7 +261,7 @@ def test_the_ssd_backups_are_judged_by_their_misses_not_by_luck():
     # repetitive text: the n-gram draft's misses yield as much as a hit, at no drafting cost (the
     # lookup is scored on every round: e_miss["fast"])
     pol.model.e_miss["fast"].alpha = alpha_at_k4(4)
-    _rounds(pol, "ssd+fast", "mhmhm", miss=(4, 1.0))
+    ssd_rounds(pol, "ssd+fast", "mhmhm", miss=(4, 1.0))
     assert pol.choose(1, 4, 8, ("ssd+neural", "ssd+fast")).choice == "ssd+fast"
 
 
@@ -321,9 +273,9 @@ def test_a_backup_s_misses_are_priced_on_the_text_decoding_now():
     the speculation would have cached), so the fresh hit rounds price it, and the batch goes back."""
     pol = measured_policy(p_hit=0.7)
     pol.hysteresis, pol.current = 0.1, "ssd+fast"
-    _rounds(pol, "ssd+neural", "hmhm", hit=(2, 1.7), miss=(1.5, 1.9))  # the haiku
+    ssd_rounds(pol, "ssd+neural", "hmhm", hit=(2, 1.7), miss=(1.5, 1.9))  # the haiku
     pol.model.e_miss["neural"].alpha = alpha_at_k4(1.5)  # what its SD and backup drafts taught
-    _rounds(pol, "ssd+fast", "hhhm" * 2, miss=(1, 1.0))  # a text the drafter drafts well
+    ssd_rounds(pol, "ssd+fast", "hhhm" * 2, miss=(1, 1.0))  # a text the drafter drafts well
     hit, stale = pol.parts[("ssd+fast", 0, "hit")], pol.parts[("ssd+neural", 0, "miss")]
     fast = pol.rates(1, 4, 8)["ssd+fast"]
     p = pol.model.hit_share("neural")
@@ -338,9 +290,9 @@ def test_at_a_larger_batch_hit_rounds_keep_their_backup_s_waits():
     at 8 sequences a hit row waits for the rows that missed (the neural backup's drafting), so the
     fast backup's hit rounds keep their own, shorter, seconds; the tokens are the latest either way."""
     pol = measured_policy(p_hit=0.8)
-    _rounds(pol, "ssd+fast", "hhhmmm", hit=(3.0, 2.0), miss=(1.0, 2.0), batch=8)
+    ssd_rounds(pol, "ssd+fast", "hhhmmm", hit=(3.0, 2.0), miss=(1.0, 2.0), batch=8)
     # the latest hit rounds, with the neural backup's waits
-    _rounds(pol, "ssd+neural", "hhhmmm", hit=(4.0, 2.5), miss=(4.0, 2.6), batch=8)
+    ssd_rounds(pol, "ssd+neural", "hhhmmm", hit=(4.0, 2.5), miss=(4.0, 2.6), batch=8)
     p = pol.model.hit_share("fast")
     m_tokens = pol.model.e_miss["fast"].tokens(4)
     expected = (p * 4.0 + (1 - p) * m_tokens) / 2.0  # its own seconds (no drafting after a miss)
@@ -360,41 +312,3 @@ def test_an_uncalibrated_ssd_backup_borrows_the_other_s_calibration():
     rates = pol.rates(1, 4, 8)
     assert abs(rates["ssd+fast"] / rates["ssd+neural"] - model["ssd+fast"] / model["ssd+neural"]) < 1e-9
     assert pol.choose(1, 4, 8, ("ssd+neural", "ssd+fast")).choice == "ssd+neural"
-
-
-def test_a_choice_with_no_record_is_probed_before_the_batch_moves_to_it():
-    """Traced on the served bench: two rounds into the warm-up haiku, a lucky 5-token hit raised
-    SSD's calibration; the never-run n-gram backup, priced by the formula times that factor, beat
-    the neural backup's record by 17%, the batch moved and the dwell held it there for 16 rounds
-    while its misses yielded one token. A choice with no record where the current one has one is
-    measured first (a probe, reason "confirm"); its record then decides."""
-    pol = measured_policy(p_hit=0.75)
-    pol.hysteresis, pol.min_dwell, pol.current = 0.1, 16, "ssd+neural"
-    _rounds(pol, "ssd+neural", "hh", hit=(3, 1.0))
-    pol.model.e_hit.alpha = alpha_at_k4(4.5)  # acceptance learned since: the formula rises, the record does not
-    rates = pol.rates(1, 4, 8)
-    assert rates["ssd+fast"] > rates["ssd+neural"] * (1 + pol.hysteresis)  # the trap
-    allowed = ("ssd+neural", "ssd+fast")
-    for x in "mhm":  # the probe: the n-gram backup's misses yield 1 token
-        d = pol.choose(1, 4, 8, allowed)
-        assert (d.choice, d.reason) == ("ssd+fast", "confirm")
-        pol.observe_round("ssd+fast", 1 if x == "m" else 3, 1.0, 1, 4, 8, source="fast" if x == "m" else "cache")
-    assert pol.rates(1, 4, 8)["ssd+fast"] < pol.rates(1, 4, 8)["ssd+neural"]
-    assert pol.choose(1, 4, 8, allowed).choice == "ssd+neural"
-
-
-def test_the_ssd_choices_switch_without_a_dwell_other_choices_dwell():
-    """The two SSD choices run the same speculation and keep its cache; only the draft after a miss
-    differs, so moving between them costs nothing and the dwell (which keeps switches that cost a
-    round from flapping) does not hold the batch on the worse one. A move into or out of SSD does."""
-    pol = measured_policy(p_hit=0.5)
-    pol.hysteresis, pol.min_dwell = 0.1, 16
-    _rounds(pol, "ssd+neural", "hhm", hit=(4, 1.0), miss=(4, 1.3))
-    _rounds(pol, "ssd+fast", "hhm", hit=(4, 1.0), miss=(1, 1.0))
-    measure_rounds(pol, "sd", 0.5, 1)
-    rates = pol.rates(1, 4, 8)
-    assert rates["ssd+neural"] > rates["ssd+fast"] * (1 + pol.hysteresis)
-    pol.current, pol.switched_at = "ssd+fast", pol.rounds  # just moved there
-    assert pol.choose(1, 4, 8, ("ssd+neural", "ssd+fast")).choice == "ssd+neural"
-    pol.current, pol.switched_at = "sd", pol.rounds  # just moved to SD: it stays for the dwell
-    assert pol.choose(1, 4, 8, ("ssd+neural", "sd")).choice == "sd"

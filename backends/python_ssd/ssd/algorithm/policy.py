@@ -19,7 +19,8 @@ Statistics only come from running a choice, so one that has not run at this batc
 gets a 3-round probe (``explore``, priced and spaced: ``_probe_due``).
 A new choice must predict ``hysteresis`` more than the current one, and a choice stays at least
 ``min_dwell`` rounds: every switch into SSD costs a round without a cached draft, so flapping on
-noise would cost more than it gains. Two rules keep stale or borrowed evidence from moving the
+noise would cost more than it gains (unless both have records here and the new one's is
+``explore_margin`` times the current one's: ``_outran``). Two rules keep stale or borrowed evidence from moving the
 batch: the step-aside ladder (a choice that a later one in CHOICES beat, by more than the
 hysteresis, at the nearest smaller batch size where it was measured is neither probed nor chosen
 at a larger one, until it has a record there) and confirmation (a switch to a choice whose record
@@ -221,7 +222,7 @@ class ModePolicy:
         best = max(allowed, key=lambda c: rates[c])
         cur = self.current if self.current in allowed else best
         free = free_switch(cur, best)  # between the SSD choices: nothing to pay, nothing to dwell on
-        settled = free or self.rounds - self.switched_at >= self.min_dwell
+        settled = free or self.rounds - self.switched_at >= self.min_dwell or self._outran(best, cur, bk, k_of)
         if cur != best and (cur not in allowed or settled and rates[best] > rates[cur] * (1 + self.hysteresis)):
             if cur in allowed and (self._stale(best, bk) or self._unproven(best, bk)):
                 # its record is old and the current choice's is fresh: a machine that slowed down
@@ -275,6 +276,15 @@ class ModePolicy:
             self.parts.forget(choice, bucket)
         self.probe, self.probe_reason, self.probe_until = choice, reason, self.rounds + self.probe_rounds
         return self._ran(_decision(choice, reason, rates), bucket)
+
+    def _outran(self, best: str, cur: str, bucket: int, k_of: dict) -> bool:
+        """Both choices have records at this bucket and ``best``'s is ``explore_margin`` times
+        ``cur``'s or more: a gap that size is not the noise the dwell guards against, and a switch
+        round costs less than a dwell on the slower choice. (Traced, 4-user load test: the batch
+        moved to SD at 3 sequences, a probe 5 rounds later measured SSD at 3.0-4.0 tokens/s
+        against SD's 1.36 at batch 1, and the dwell held SD for 11 more rounds.)"""
+        mine, theirs = self._record_rate(best, bucket, k_of[best]), self._record_rate(cur, bucket, k_of[cur])
+        return mine is not None and theirs is not None and mine > theirs * self.explore_margin
 
     def _unproven(self, choice: str, bucket: int) -> bool:
         """No record at this bucket while the current choice has one, and no probe of it just
