@@ -133,3 +133,28 @@ def test_loadtest_parts_merge_into_one_row():
     assert row["p_hit"] == 0.5 and row["policy_decisions"] == "ar=5; sd=4" and row["policy_choice"] == "ar"
     assert row["parts_tok_s"] == "10.00 6.00" and merge([row]) is row
     assert row["steady_tokens_per_s"] == round(4 * 400 / (15.0 / 1000), 2)  # users x tokens / total latency
+
+
+def test_quick_bench_measures_a_request_shared_by_two_tables_once():
+    """The quick preset's sweeps run at the main table's length, so its budget-12 point is the greedy
+    SSD row and its C = 1.0 point the temperature-0.7 SSD row: one request each, measured once
+    (the served phase keys jobs by prompt, mode and every knob). Different knobs stay apart."""
+    sys.path.insert(0, str(REPO / "tools" / "bench"))
+    import run
+
+    pr = run.PRESETS["quick"]
+    prompts = [dict(dataset=ds, prompt=0, text=f"{ds} prompt") for ds in ("humaneval", "gsm8k")]
+    jobs = run.plan_split(pr, prompts, prompts)
+    keys = {}
+    for tags, body in jobs:
+        keys.setdefault(run.job_key(tags, body, pr.max_tokens), []).append(tags["phase"])
+    shared = sorted(sorted(phases) for phases in keys.values() if len(phases) > 1)
+    assert shared == [["greedy", "sweep:budget"]] * 2 + [["sweep:c", "t0.7"]] * 2
+    assert len(keys) == len(jobs) - 4
+    # AR's rate does not depend on the temperature: quick measures it greedy only
+    assert not any(t["phase"] == "t0.7" and t["mode"] == "ar" for t, _ in jobs)
+    full = run.PRESETS["full"]
+    fj = run.plan_split(full, prompts, prompts)
+    # full: the sweeps run shorter than the main table; the SSD baseline (K 4, adaptive K, geometric,
+    # budget 12, auto backup) is one request per prompt across those 5 sweeps
+    assert len({run.job_key(t, b, full.max_tokens) for t, b in fj}) == len(fj) - 4 * len(prompts)

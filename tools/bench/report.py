@@ -250,6 +250,9 @@ def sampled_table(raw: dict) -> str:
             lines.append(f"| {m} | {mean(r['decode_tokens_per_s'] for r in rows):.2f} "
                          f"| {mean(r['acceptance_length'] for r in rows):.2f} "
                          f"| {_fmt(mean(r['p_hit'] for r in rows)) if m == 'ssd' else '-'} | {len(rows)} |")
+        elif m == "ar" and (greedy := greedy_rows(raw, "split", "ar")):
+            lines.append(f"| ar (greedy rows: one forward a token at any temperature) "
+                         f"| {mean(r['decode_tokens_per_s'] for r in greedy):.2f} | 1.00 | - | {len(greedy)} |")
     return "\n".join(lines)
 
 

@@ -40,6 +40,7 @@ class Preset:
     per_dataset: int  # greedy main table
     max_tokens: int
     sampled_per_dataset: int  # temperature 0.7 table
+    sampled_modes: tuple  # its modes (AR's rate is one forward a token at any temperature: quick skips it)
     sweep_prompts: int  # per dataset (humaneval, gsm8k) for the sweeps
     sweep_tokens: int
     sweeps: dict  # name -> list of per-request overrides
@@ -52,7 +53,9 @@ class Preset:
 # Locust sweep's subject (loadtest/sweep.py)
 SSD_BASE = {"num_draft_tokens": 4, "fanout_budget": 12, "fanout_shape": "geometric", "backup": "auto", "saguaro_c": 1.0,
             "adaptive_k": True, "step_aside": False}
-PIN = {"ssd": {"step_aside": False}}
+# SSD rows state the same knobs, so a sweep point that equals a main-table row (same prompt, tokens and
+# knobs: the quick preset's budget 12 and C 1.0) is one measurement, not two
+PIN = {"ssd": SSD_BASE}
 SWEEPS_FULL = {
     "k": [{"num_draft_tokens": k} for k in (3, 4, 5)],  # with adaptive_k: the most a round may draft
     "adaptive_k": [{"adaptive_k": a} for a in (False, True)],
@@ -63,11 +66,17 @@ SWEEPS_FULL = {
     "c": [{"saguaro_c": c, "temperature": 0.7} for c in (1.0, 0.5, 0.0)],
 }
 SWEEPS_QUICK = {"budget": [{"fanout_budget": b} for b in (5, 8, 12)],
-                "c": [{"saguaro_c": c, "temperature": 0.7} for c in (1.0, 0.0)]}
+                "c": [{"saguaro_c": c, "temperature": 0.7} for c in (1.0, 0.5)]}
+# quick: 10 minutes is the goal. C = 0 rounds accept ~1 token (AR's pace: 1.6 min of session 14's
+# 21-min quick run), so the quick C sweep stops at 0.5; its sweeps run at the main table's length, so
+# budget 12 and C 1.0 are the main rows (PIN)
 PRESETS = {
-    "quick": Preset("humaneval,gsm8k", 1, 48, 1, 1, 32, SWEEPS_QUICK, 1, "2"),
-    "full": Preset("humaneval,gsm8k,mtbench", 2, 128, 1, 2, 48, SWEEPS_FULL, 1, "2,4"),
+    "quick": Preset("humaneval,gsm8k", 1, 32, 1, ("sd", "ssd"), 1, 32, SWEEPS_QUICK, 1, "2"),
+    "full": Preset("humaneval,gsm8k,mtbench", 2, 128, 1, ("ar", "sd", "ssd"), 2, 48, SWEEPS_FULL, 1, "2,4"),
 }
+# the warm-up's lengths: first-call allocations, and the policy's first records of SD and the SSD
+# backups (AR's first call allocates in 8 tokens; at ~1 s a token more would only cost time)
+WARM_TOKENS = {"ar": 8, "sd": 32, "ssd": 32}
 
 
 class Progress:
@@ -130,11 +139,12 @@ class InProcess:
     """tools/bench/inprocess.py kept running (engines loaded once), answering one job at a time."""
 
     def __init__(self, tdir: Path, ddir: Path, max_tokens: int):
+        # it loads while tritonserver starts (both mostly read weights): the first job waits for it
         print("[bench] in-process: loading the engines (tools/bench/inprocess.py --jobs-stdin) ...", flush=True)
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "inprocess.py"), "--target", str(tdir),
                                       "--drafter", str(ddir), "--max-tokens", str(max_tokens), "--jobs-stdin"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._read()  # {"ready": true} once loaded and warmed up
+        self.ready = False
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
@@ -143,6 +153,8 @@ class InProcess:
         return json.loads(line)
 
     def run(self, dataset: str, index: int, ids: list[int], mode: str) -> dict:
+        if not self.ready:
+            self.ready = self._read()["ready"]  # {"ready": true} once loaded and warmed up
         self.proc.stdin.write(json.dumps({"dataset": dataset, "index": index, "ids": ids, "mode": mode}) + "\n")
         self.proc.stdin.flush()
         return self._read()
@@ -150,6 +162,12 @@ class InProcess:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
+
+
+def job_key(tags: dict, extra: dict, max_tokens: int) -> tuple:
+    """What makes two served jobs the same request: prompt, mode and every knob, length included."""
+    body = {"max_tokens": max_tokens, **{k: v for k, v in extra.items() if k != "mode"}}
+    return tags["text"], extra.get("mode", tags.get("mode", "ssd")), json.dumps(body, sort_keys=True)
 
 
 def run_served(layout: str, jobs: list[tuple[dict, dict]], a, prog: Progress, warm_text: str,
@@ -167,20 +185,22 @@ def run_served(layout: str, jobs: list[tuple[dict, dict]], a, prog: Progress, wa
         # on a prompt of the benchmark's kind that is not measured (a haiku, drafted at 1-2 tokens
         # a round, gave the policy a first record unlike any measured prompt: see The mode policy)
         for mode in ("ar", "sd", "ssd"):
-            generate(srv, warm_text, mode, a, max_tokens=32, **PIN.get(mode, {}))
+            generate(srv, warm_text, mode, a, **{**PIN.get(mode, {}), "max_tokens": WARM_TOKENS[mode]})
         for tags, extra in jobs:
             body = {k: v for k, v in extra.items() if k != "mode"}
-            mode = extra.get("mode", tags.get("mode", "ssd"))
-            key = (tags["text"], mode, json.dumps(body, sort_keys=True))
-            if key in done:  # the same request in two sweeps (their shared baseline): measured once
-                d = done[key]
-            else:
-                d = done[key] = generate(srv, tags["text"], mode, a, **body)
-            row = served_row(d, **{k: v for k, v in tags.items() if k != "text"}, layout=layout, **body)
+            key = job_key(tags, extra, a.max_tokens)
+            again = key in done  # the same request in two tables (a sweep's baseline): measured once
+            if not again:
+                done[key] = generate(srv, tags["text"], key[1], a, **body)
+            row = served_row(done[key], **{k: v for k, v in tags.items() if k != "text"}, layout=layout, **body)
             rows.append(row)
-            prog.step(f"{layout} {row.get('phase')} {row.get('dataset')} #{row.get('prompt')} {row.get('mode')} "
-                      f"{body or ''}: {row['decode_tokens_per_s']:.2f} tok/s, accept {row['acceptance_length']:.2f}, "
-                      f"p_hit {row['p_hit']:.2f}")
+            what = (f"{layout} {row.get('phase')} {row.get('dataset')} #{row.get('prompt')} {row.get('mode')} "
+                    f"{body or ''}: {row['decode_tokens_per_s']:.2f} tok/s, accept {row['acceptance_length']:.2f}, "
+                    f"p_hit {row['p_hit']:.2f}")
+            if again:
+                print(f"[bench] (the same request as above) {what}", flush=True)
+            else:
+                prog.step(what)
             if paired is not None and paired(tags) is not None:
                 prog.step(f"in-process {tags['dataset']} #{tags['prompt']} {tags['mode']}")
     finally:
@@ -205,6 +225,20 @@ def run_subprocess(script: str, args: list[str], out: Path, n: int, prog: Progre
     return json.loads(out.read_text())
 
 
+def plan_split(pr: Preset, main_prompts: list[dict], sweep_prompts: list[dict]) -> list[tuple[dict, dict]]:
+    """The split phase's served jobs, as (tags, request overrides): the greedy main table, the
+    temperature 0.7 table and the sweeps. Some may be the same request (``job_key``)."""
+    jobs = [({**p, "phase": "greedy", "mode": m}, {"mode": m, **PIN.get(m, {})})
+            for p in main_prompts for m in ("ar", "sd", "ssd")]
+    jobs += [({**p, "phase": "t0.7", "mode": m}, {"mode": m, **PIN.get(m, {}), "temperature": 0.7})
+             for p in main_prompts if p["prompt"] < pr.sampled_per_dataset for m in pr.sampled_modes]
+    for name, variants in pr.sweeps.items():
+        for v in variants:
+            body = {"max_tokens": pr.sweep_tokens, **({} if v.get("mode") == "sd" else SSD_BASE), **v}
+            jobs += [({**p, "phase": f"sweep:{name}", "mode": v.get("mode", "ssd")}, body) for p in sweep_prompts]
+    return jobs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=PRESETS, default="full")
@@ -224,24 +258,17 @@ def main() -> None:
     codec = TextCodec(tdir)
     datasets = pr.datasets.split(",")
     main_prompts = [dict(dataset=ds, prompt=i, text=t) for ds in datasets for i, t in enumerate(load(ds, pr.per_dataset))]
-    sampled = [p for p in main_prompts if p["prompt"] < pr.sampled_per_dataset]
     sweep_prompts = [dict(dataset=ds, prompt=i, text=t) for ds in ("humaneval", "gsm8k")
                      for i, t in enumerate(load(ds, pr.sweep_prompts))]
     inproc = [p for p in main_prompts if p["prompt"] < pr.inproc_per_dataset]
     warm_text = load("humaneval", max(pr.per_dataset, pr.sweep_prompts) + 1)[-1]  # measured by no job
     phases = a.phases.split(",")
 
-    split_jobs = [({**p, "phase": "greedy", "mode": m}, {"mode": m, **PIN.get(m, {})})
-                  for p in main_prompts for m in ("ar", "sd", "ssd")]
-    split_jobs += [({**p, "phase": "t0.7", "mode": m}, {"mode": m, "temperature": 0.7, **PIN.get(m, {})})
-                   for p in sampled for m in ("ar", "sd", "ssd")]
-    for name, variants in pr.sweeps.items():
-        for v in variants:
-            body = {"max_tokens": pr.sweep_tokens, **({} if v.get("mode") == "sd" else SSD_BASE), **v}
-            split_jobs += [({**p, "phase": f"sweep:{name}", "mode": v.get("mode", "ssd")}, body) for p in sweep_prompts]
+    split_jobs = plan_split(pr, main_prompts, sweep_prompts)
     shared_jobs = [({**p, "phase": "greedy", "mode": m}, {"mode": m}) for p in main_prompts for m in ("ar", "sd")]
     n_peer = len(main_prompts) * len(pr.peer_k.split(","))
-    total = (len(split_jobs) * ("split" in phases) + len(shared_jobs) * ("shared2" in phases)
+    n_split = len({job_key(t, b, pr.max_tokens) for t, b in split_jobs})
+    total = (n_split * ("split" in phases) + len(shared_jobs) * ("shared2" in phases)
              + 3 * len(inproc) * ("inproc" in phases) + n_peer * ("peer" in phases))
     prog = Progress(total)
     print(f"[bench] preset {a.preset}: {total} generations in phases {phases}", flush=True)
