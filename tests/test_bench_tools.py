@@ -47,16 +47,18 @@ def test_inprocess_runner_answers_jobs_from_stdin(engine_root, codec):
         assert json.loads(proc.stdout.readline()) == {"ready": True}
         ids = codec.encode_prompt(PROMPTS[0])
         rows = []
-        for mode in ("ar", "ssd"):
-            proc.stdin.write(json.dumps({"dataset": "toy", "index": 0, "ids": ids, "mode": mode}) + "\n")
+        # the bench's in-process warm-up is a job with its own length
+        for mode, extra in (("ar", {}), ("ssd", {}), ("sd", {"max_tokens": 3})):
+            proc.stdin.write(json.dumps({"dataset": "toy", "index": 0, "ids": ids, "mode": mode, **extra}) + "\n")
             proc.stdin.flush()
             rows.append(json.loads(proc.stdout.readline()))
         proc.stdin.close()
         assert proc.wait(timeout=60) == 0
     finally:
         proc.kill()
-    assert [(r["dataset"], r["prompt"], r["mode"]) for r in rows] == [("toy", 0, "ar"), ("toy", 0, "ssd")]
-    assert rows[1]["ids"] == rows[0]["ids"] and 0 < len(rows[0]["ids"]) <= N
+    assert [(r["dataset"], r["prompt"], r["mode"]) for r in rows] == [("toy", 0, m) for m in ("ar", "ssd", "sd")]
+    assert rows[1]["ids"] == rows[0]["ids"] and 3 < len(rows[0]["ids"]) <= N
+    assert rows[2]["ids"] == rows[0]["ids"][:3]
 
 
 def test_peer_matches_our_greedy_ar(engine_root, codec, tmp_path):

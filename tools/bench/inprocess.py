@@ -64,6 +64,7 @@ class PinnedClient(LocalClient):
 
 
 async def generate(client, shared, ids: list[int], mode: str, a) -> dict:
+    """One generation of up to ``a.max_tokens`` tokens, with its statistics."""
     # step_aside off: SSD itself, as in the served rows of the bench
     cfg = DecodeConfig(mode=mode, k=a.k, fanout_budget=a.budget, saguaro_c=a.c, backup=a.backup, step_aside=False)
     g = Generation(client, f"{mode}-{time.monotonic_ns()}", list(ids), SamplingParams(a.temperature), 1, cfg, shared)
@@ -93,7 +94,7 @@ def main() -> None:
     ap.add_argument("--backup", default="auto")
     ap.add_argument("--out", type=Path, help="run every prompt x mode, write the rows here (JSON)")
     ap.add_argument("--jobs-stdin", action="store_true",
-                    help="instead: read jobs (JSON lines: dataset, index, ids, mode) from stdin and answer each "
+                    help="instead: read jobs (JSON lines: dataset, index, ids, mode, optional max_tokens) from stdin and answer each "
                          "with its row as a JSON line on stdout, so a caller can interleave them with served runs")
     a = ap.parse_args()
     if not (a.out or a.jobs_stdin):
@@ -112,7 +113,8 @@ def main() -> None:
     warm = prompts[0]["ids"][:16] if prompts else [1, 2, 3, 4]  # first-call allocations
     asyncio.run(generate(client, shared, warm, "ssd", argparse.Namespace(**{**vars(a), "max_tokens": 4})))
     def run(p: dict, mode: str) -> dict:
-        r = asyncio.run(generate(client, shared, p["ids"], mode, a))
+        r = asyncio.run(generate(client, shared, p["ids"], mode,
+                                 argparse.Namespace(**{**vars(a), "max_tokens": p.get("max_tokens", a.max_tokens)})))
         print(f"[in-process] {p['dataset']} #{p['index']} {mode}: {r['decode_tokens_per_s']:.2f} tok/s, "
               f"accept len {r['acceptance_length']:.2f}, p_hit {r['p_hit']:.2f}", file=sys.stderr, flush=True)
         return {"dataset": p["dataset"], "prompt": p["index"], "mode": mode, **r}
