@@ -160,3 +160,28 @@ def test_quick_bench_measures_a_request_shared_by_two_tables_once():
     # full: the sweeps run shorter than the main table; the SSD baseline (K 4, adaptive K, geometric,
     # budget 12, auto backup) is one request per prompt across those 5 sweeps
     assert len({run.job_key(t, b, full.max_tokens) for t, b in fj}) == len(fj) - 4 * len(prompts)
+
+
+def test_ab_interleaves_variants_and_summarizes_paired_ratios():
+    """tools/bench/ab.py: each prompt runs every variant back to back, the order reversed on every
+    other prompt (a drift within a pair favours neither); the ratios are per prompt, against variant 0."""
+    sys.path.insert(0, str(REPO / "tools" / "bench"))
+    import ab
+
+    prompts = [dict(dataset="toy", prompt=i, text=f"p{i}") for i in range(3)]
+    jobs = ab.plan([{"fanout_budget": 12}, {"fanout_budget": 8}], prompts, "ssd")
+    assert [(t["prompt"], t["variant"], b["fanout_budget"]) for t, b in jobs] == \
+        [(0, 0, 12), (0, 1, 8), (1, 1, 8), (1, 0, 12), (2, 0, 12), (2, 1, 8)]
+    assert all(b["step_aside"] is False and b["mode"] == "ssd" for _, b in jobs)  # the bench's SSD knobs
+
+    def row(prompt, variant, tps):
+        return dict(dataset="toy", prompt=prompt, variant=variant, decode_tokens_per_s=tps, acceptance_length=3.0,
+                    p_hit=0.5 + 0.1 * variant)
+    # variant 1: 2x on one prompt, 0.5x on another, 1.1x on the third: geomean 1.1^(1/3), 2 wins
+    rows = [row(0, 0, 2.0), row(0, 1, 4.0), row(1, 1, 1.0), row(1, 0, 2.0), row(2, 0, 1.0), row(2, 1, 1.1)]
+    s = ab.summarize(rows, 2)
+    assert s[0]["ratio_geomean"] == 1.0 and s[0]["wins"] == 0
+    assert abs(s[1]["ratio_geomean"] - 1.1 ** (1 / 3)) < 1e-12
+    assert (s[1]["ratio_min"], s[1]["ratio_max"], s[1]["wins"], s[1]["n"]) == (0.5, 2.0, 2, 3)
+    assert abs(s[1]["tok_s"] - (4.0 + 1.0 + 1.1) / 3) < 1e-12 and abs(s[1]["p_hit"] - 0.6) < 1e-12
+    assert "| 2/3 |" in ab.table(s, [{"fanout_budget": 12}, {"fanout_budget": 8}])
