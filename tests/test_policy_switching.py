@@ -114,3 +114,26 @@ def test_a_measured_gap_over_the_explore_margin_ends_the_dwell():
     pol = after_probe(1.0, probed=False)  # the same gap, predicted only: the dwell holds
     assert pol.rates(1, 4, 8)["ssd+neural"] > pol.explore_margin * pol.rates(1, 4, 8)["sd"]
     assert pol.choose(1, 4, 8, allowed).choice == "sd"
+
+
+def test_the_dwell_ends_when_no_round_was_decided_for_a_while():
+    """Requests that pin their mode ask the policy nothing, so its rounds stop while they run. Traced
+    on the load test: the dwell on SD left from one SSD cell held the next SSD cell's first 7
+    rounds on SD, after a minute of pinned AR and SD cells. A gap of ``dwell_idle_s`` between
+    decided rounds ends the dwell; a shorter one does not."""
+    def just_moved_to_sd(gap_s: float) -> str:
+        now = [0.0]
+        pol = measured_policy(p_hit=0.8)
+        pol.hysteresis, pol.min_dwell, pol.clock = 0.1, 16, lambda: now[0]
+        measure_rounds(pol, "sd", 2.0, 1)
+        ssd_rounds(pol, "ssd+neural", "hhh", hit=(2.6, 1.0))
+        rates = pol.rates(1, 4, 8)
+        assert rates["sd"] * (1 + pol.hysteresis) < rates["ssd+neural"] < rates["sd"] * pol.explore_margin
+        pol.current, pol.switched_at = "sd", pol.rounds
+        allowed = ("ssd+neural", "sd")
+        assert pol.choose(1, 4, 8, allowed).choice == "sd"  # the dwell holds SD ...
+        now[0] += gap_s  # ... then pinned requests run, or none
+        return pol.choose(1, 4, 8, allowed).choice
+
+    assert just_moved_to_sd(3.0) == "sd"
+    assert just_moved_to_sd(60.0) == "ssd+neural"

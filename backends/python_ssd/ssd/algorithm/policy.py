@@ -19,9 +19,10 @@ Statistics only come from running a choice, so one that has not run at this batc
 gets a 3-round probe (``explore``, priced and spaced: ``_probe_due``).
 A new choice must predict ``hysteresis`` more than the current one, and a choice stays at least
 ``min_dwell`` rounds: every switch into SSD costs a round without a cached draft, so flapping on
-noise would cost more than it gains (unless both have records here and the new one's is
-``explore_margin`` times the current one's: ``_outran``). Two rules keep stale or borrowed evidence from moving the
-batch: the step-aside ladder (a choice that a later one in CHOICES beat, by more than the
+noise would cost more than it gains. The dwell ends early when both have records here and the new
+one's is ``explore_margin`` times the current one's (``_outran``), and when no round was decided
+for ``dwell_idle_s`` (no batch left to flap). Two rules keep stale or borrowed evidence from moving
+the batch: the step-aside ladder (a choice that a later one in CHOICES beat, by more than the
 hysteresis, at the nearest smaller batch size where it was measured is neither probed nor chosen
 at a larger one, until it has a record there) and confirmation (a switch to a choice whose record
 here is ``stale_after`` rounds old waits for a probe of it, reason "confirm", whose rounds
@@ -32,7 +33,9 @@ Decisions are made once per round of the whole batch (``choose``), not per seque
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .estimators import MEASURED, Ema, Measured
 from .speedup_model import CHOICES, SpeedupModel, free_switch
@@ -58,6 +61,9 @@ class ModePolicy:
     forced_mode: str | None = None  # one of CHOICES, or None (auto)
     hysteresis: float = 0.1
     min_dwell: int = 16
+    dwell_idle_s: float = 10.0  # a gap this long between decided rounds ends the dwell (see _next_round)
+    clock: Callable[[], float] = time.monotonic
+    decided_at: float | None = None  # clock() at the last decided round
     model: SpeedupModel = field(default_factory=SpeedupModel)  # the predictions and what they learn from
     calib: dict = field(default_factory=dict)  # (choice, bucket or None for all sizes) -> Ema
     measured: dict = field(default_factory=dict)  # (choice, bucket) -> Measured
@@ -191,6 +197,14 @@ class ModePolicy:
 
     def _next_round(self, batch: int, k: int, budget: int, allowed: tuple[str, ...], adaptive_k: bool) -> Decision:
         self.rounds += 1
+        now = self.clock()
+        if self.decided_at is not None and now - self.decided_at > self.dwell_idle_s:
+            # nothing decoded under the policy for a while (idle, or only requests that pinned their
+            # mode, which ask no rounds): the dwell guarded a batch that is gone (traced, load test:
+            # the dwell on SD left from an SSD cell's first part held the next SSD part's first 7
+            # rounds on SD, after a minute of pinned AR and SD cells, where SSD predicted 17% more)
+            self.switched_at = min(self.switched_at, self.rounds - self.min_dwell)
+        self.decided_at = now
         bk = _bucket(batch)
         ks = self.model.best_k(batch, k, budget) if adaptive_k else None
         formula = self.model.rates_at(batch, k, budget, ks)
