@@ -2,8 +2,8 @@
 
 Phases (each prints progress and an ETA):
   split     served, target on core 0 + drafter on core 1, one thread each (the paper's protocol):
-            AR, SD, SSD greedy; AR, SD, SSD at temperature 0.7; the sweeps (K, fan-out shape and
-            budget, backup, C) that choose the shipped defaults
+            AR, SD, SSD greedy; SD, SSD (and AR, full preset) at temperature 0.7; the sweeps (K,
+            fan-out shape and budget, backup, C) behind the shipped defaults (checked with ab.py)
   shared2   served, every engine on both cores with 2 threads: AR and SD (same hardware for everyone)
   inproc    the same engines without Triton (tools/bench/inprocess.py): the serving overhead; each
             greedy in-process job runs right after its served twin (split phase), same prompt, same cores
