@@ -1,6 +1,6 @@
-"""Unit tests of the mode policy's decisions: calibration and measured records, probes, dwell,
-the step-aside ladder, confirmation and re-measurement (engine-free: the engines' costs are fed in).
-The rules for moving the batch from one choice to another are in test_policy_switching.py.
+"""Unit tests of the mode policy's decisions: calibration and measured records, probes, the
+step-aside ladder and re-measurement (engine-free: the engines' costs are fed in). The rules for
+moving the batch from one choice to another (dwell, confirmation) are in test_policy_switching.py.
 The predictions it decides from are tested in test_speedup_model.py."""
 from __future__ import annotations
 
