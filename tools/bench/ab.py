@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prompts import load  # noqa: E402
-from run import PIN, Progress, run_served  # noqa: E402
+from report import mean  # noqa: E402
+from run import PIN, Progress, held_out_prompt, prompt_rows, run_served, set_server_defaults  # noqa: E402
 from triton_launcher import REPO  # noqa: E402
 
 
@@ -51,9 +51,9 @@ def summarize(rows: list[dict], n_variants: int) -> list[dict]:
                   if i in p and 0 in p and p[0]["decode_tokens_per_s"] > 0]
         out.append({
             "variant": i, "n": len(mine),
-            "tok_s": sum(r["decode_tokens_per_s"] for r in mine) / max(len(mine), 1),
-            "accept": sum(r["acceptance_length"] for r in mine) / max(len(mine), 1),
-            "p_hit": sum(r["p_hit"] for r in mine) / max(len(mine), 1),
+            "tok_s": mean(r["decode_tokens_per_s"] for r in mine),
+            "accept": mean(r["acceptance_length"] for r in mine),
+            "p_hit": mean(r["p_hit"] for r in mine),
             "ratio_geomean": math.exp(sum(math.log(x) for x in ratios) / len(ratios)) if ratios else float("nan"),
             "ratio_min": min(ratios, default=float("nan")), "ratio_max": max(ratios, default=float("nan")),
             "wins": sum(x > 1 for x in ratios),
@@ -85,10 +85,9 @@ def main() -> None:
     for v in variants:
         if not isinstance(v, dict):
             ap.error(f"--variants: each must be a JSON object of request knobs, got {v!r}")
-    # server defaults: the shipped ones, as in run.py
-    a.k, a.budget, a.c, a.backup, a.temperature = 4, 12, 1.0, "auto", 0.0
-    prompts = [dict(dataset=ds, prompt=i, text=t) for ds in a.datasets.split(",") for i, t in enumerate(load(ds, a.prompts))]
-    warm_text = load("humaneval", a.prompts + 1)[-1]  # measured by no job
+    set_server_defaults(a, a.max_tokens)
+    prompts = prompt_rows(a.datasets.split(","), a.prompts)
+    warm_text = held_out_prompt(a.prompts)
     jobs = plan(variants, prompts, a.mode)
     prog = Progress(len(jobs))
     print(f"[ab] {len(variants)} variants x {len(prompts)} prompts, {a.max_tokens} tokens, mode {a.mode}", flush=True)

@@ -111,10 +111,14 @@ def main() -> None:
     shared = SharedState()
     prompts = json.loads(a.prompts.read_text()) if a.prompts else []
     warm = prompts[0]["ids"][:16] if prompts else [1, 2, 3, 4]  # first-call allocations
-    asyncio.run(generate(client, shared, warm, "ssd", argparse.Namespace(**{**vars(a), "max_tokens": 4})))
+
+    def upto(n: int) -> argparse.Namespace:
+        return argparse.Namespace(**{**vars(a), "max_tokens": n})
+
+    asyncio.run(generate(client, shared, warm, "ssd", upto(4)))
+
     def run(p: dict, mode: str) -> dict:
-        r = asyncio.run(generate(client, shared, p["ids"], mode,
-                                 argparse.Namespace(**{**vars(a), "max_tokens": p.get("max_tokens", a.max_tokens)})))
+        r = asyncio.run(generate(client, shared, p["ids"], mode, upto(p.get("max_tokens", a.max_tokens))))
         print(f"[in-process] {p['dataset']} #{p['index']} {mode}: {r['decode_tokens_per_s']:.2f} tok/s, "
               f"accept len {r['acceptance_length']:.2f}, p_hit {r['p_hit']:.2f}", file=sys.stderr, flush=True)
         return {"dataset": p["dataset"], "prompt": p["index"], "mode": mode, **r}

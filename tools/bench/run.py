@@ -173,10 +173,30 @@ class InProcess:
         self.proc.wait(timeout=60)
 
 
+def prompt_rows(datasets: list[str], n: int) -> list[dict]:
+    """The first ``n`` prompts of each dataset, as job tags."""
+    return [dict(dataset=ds, prompt=i, text=t) for ds in datasets for i, t in enumerate(load(ds, n))]
+
+
+def held_out_prompt(used: int) -> str:
+    """A HumanEval prompt that no job measures (jobs use the first ``used``): the warm-up's."""
+    return load("humaneval", used + 1)[-1]
+
+
+def set_server_defaults(a, max_tokens: int) -> None:
+    """The served model's defaults for the run: the shipped ones (SSD_BASE), greedy."""
+    a.k, a.budget, a.c, a.backup = (SSD_BASE[k] for k in ("num_draft_tokens", "fanout_budget", "saguaro_c", "backup"))
+    a.temperature, a.max_tokens = 0.0, max_tokens
+
+
+def job_mode(tags: dict, extra: dict) -> str:
+    return extra.get("mode", tags.get("mode", "ssd"))
+
+
 def job_key(tags: dict, extra: dict, max_tokens: int) -> tuple:
     """What makes two served jobs the same request: prompt, mode and every knob, length included."""
     body = {"max_tokens": max_tokens, **{k: v for k, v in extra.items() if k != "mode"}}
-    return tags["text"], extra.get("mode", tags.get("mode", "ssd")), json.dumps(body, sort_keys=True)
+    return tags["text"], job_mode(tags, extra), json.dumps(body, sort_keys=True)
 
 
 def run_served(layout: str, jobs: list[tuple[dict, dict]], a, prog: Progress, warm_text: str,
@@ -193,8 +213,9 @@ def run_served(layout: str, jobs: list[tuple[dict, dict]], a, prog: Progress, wa
         # warm-up: first-call allocations, and the mode policy's first measurements of every choice,
         # on a prompt of the benchmark's kind that is not measured (a haiku, drafted at 1-2 tokens
         # a round, gave the policy a first record unlike any measured prompt: see The mode policy)
+        modes = {job_mode(tags, extra) for tags, extra in jobs}
         for mode in ("ar", "sd", "ssd"):
-            if any(extra.get("mode", tags.get("mode")) == mode for tags, extra in jobs):
+            if mode in modes:
                 generate(srv, warm_text, mode, a, **{**PIN.get(mode, {}), "max_tokens": WARM_TOKENS[mode]})
         for tags, extra in jobs:
             body = {k: v for k, v in extra.items() if k != "mode"}
@@ -258,8 +279,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "results" / "bench")
     a = ap.parse_args()
     pr = PRESETS[a.preset]
-    # server defaults for the run: the shipped ones (model_repository/ssd/config.pbtxt)
-    a.k, a.budget, a.c, a.backup, a.temperature, a.max_tokens = 4, 12, 1.0, "auto", 0.0, pr.max_tokens
+    set_server_defaults(a, pr.max_tokens)
     a.out.mkdir(parents=True, exist_ok=True)
     roles = engines_by_role(a.config)
     tdir, ddir = a.engine_root / roles["target"], a.engine_root / roles["drafter"]
@@ -267,11 +287,10 @@ def main() -> None:
     from ssd.decoding.text import TextCodec
     codec = TextCodec(tdir)
     datasets = pr.datasets.split(",")
-    main_prompts = [dict(dataset=ds, prompt=i, text=t) for ds in datasets for i, t in enumerate(load(ds, pr.per_dataset))]
-    sweep_prompts = [dict(dataset=ds, prompt=i, text=t) for ds in ("humaneval", "gsm8k")
-                     for i, t in enumerate(load(ds, pr.sweep_prompts))]
+    main_prompts = prompt_rows(datasets, pr.per_dataset)
+    sweep_prompts = prompt_rows(["humaneval", "gsm8k"], pr.sweep_prompts)
     inproc = [p for p in main_prompts if p["prompt"] < pr.inproc_per_dataset]
-    warm_text = load("humaneval", max(pr.per_dataset, pr.sweep_prompts) + 1)[-1]  # measured by no job
+    warm_text = held_out_prompt(max(pr.per_dataset, pr.sweep_prompts))
     phases = a.phases.split(",")
 
     split_jobs = plan_split(pr, main_prompts, sweep_prompts)
