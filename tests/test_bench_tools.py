@@ -157,9 +157,13 @@ def test_quick_bench_measures_a_request_shared_by_two_tables_once():
     assert not any(t["phase"] == "t0.7" and t["mode"] == "ar" for t, _ in jobs)
     full = run.PRESETS["full"]
     fj = run.plan_split(full, prompts, prompts)
-    # full: the sweeps run shorter than the main table; the SSD baseline (K 4, adaptive K, geometric,
-    # budget 12, auto backup) is one request per prompt across those 5 sweeps
-    assert len({run.job_key(t, b, full.max_tokens) for t, b in fj}) == len(fj) - 4 * len(prompts)
+    # full, at the main table's length too: the SSD baseline (K 4, adaptive K, geometric, budget 12,
+    # auto backup) is the greedy SSD row in those 5 sweeps, SD K=4 the greedy SD row, C 1.0 the
+    # temperature-0.7 SSD row: 7 requests a prompt measured once more
+    assert len({run.job_key(t, b, full.max_tokens) for t, b in fj}) == len(fj) - 7 * len(prompts)
+    fkeys = [run.job_key(t, b, full.max_tokens) for t, b in fj]
+    sd4 = [t["phase"] for (t, b), k in zip(fj, fkeys) if k == fkeys[1]]  # fj[1]: the first prompt's greedy SD
+    assert fj[1][0]["mode"] == "sd" and sorted(sd4) == ["greedy", "sweep:sd_k"]
 
 
 def test_ab_interleaves_variants_and_summarizes_paired_ratios():

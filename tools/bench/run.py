@@ -40,11 +40,11 @@ class Preset:
     per_dataset: int  # greedy main table
     max_tokens: int
     sampled_per_dataset: int  # temperature 0.7 table
-    sampled_modes: tuple  # its modes (AR's rate is one forward a token at any temperature: quick skips it)
-    sweep_prompts: int  # per dataset (humaneval, gsm8k) for the sweeps
+    sampled_modes: tuple  # its modes (AR's rate is one forward a token at any temperature)
+    sweep_datasets: str  # the sweeps run on the first prompt of each
     sweep_tokens: int
     sweeps: dict  # name -> list of per-request overrides
-    inproc_per_dataset: int
+    inproc_datasets: str  # in-process twins of the greedy rows on the first prompt of each
     peer_k: str
 
 
@@ -53,30 +53,40 @@ class Preset:
 # Locust sweep's subject (loadtest/sweep.py)
 SSD_BASE = {"num_draft_tokens": 4, "fanout_budget": 12, "fanout_shape": "geometric", "backup": "auto", "saguaro_c": 1.0,
             "adaptive_k": True, "step_aside": False}
-# SSD rows state the same knobs, so a sweep point that equals a main-table row (same prompt, tokens and
-# knobs: the quick preset's budget 12 and C 1.0) is one measurement, not two
-PIN = {"ssd": SSD_BASE}
+# The main rows state the knobs the sweeps state, so a sweep point that equals a main-table row (same
+# prompt, tokens and knobs: SSD budget 12, C 1.0 at temperature 0.7, SD K=4) is one measurement, not two
+PIN = {"ssd": SSD_BASE, "sd": {"num_draft_tokens": SSD_BASE["num_draft_tokens"]}}
 SWEEPS_FULL = {
     "k": [{"num_draft_tokens": k} for k in (3, 4, 5)],  # with adaptive_k: the most a round may draft
     "adaptive_k": [{"adaptive_k": a} for a in (False, True)],
     "sd_k": [{"mode": "sd", "num_draft_tokens": k} for k in (2, 3, 4, 5)],
     "shape": [{"fanout_shape": s} for s in ("uniform", "geometric")],
-    "budget": [{"fanout_budget": b} for b in (5, 8, 12, 16)],
+    "budget": [{"fanout_budget": b} for b in (5, 8, 12)],  # 12 is the most the A/Bs tried (README: the defaults)
     "backup": [{"backup": b} for b in ("neural", "fast", "auto")],
     "c": [{"saguaro_c": c, "temperature": 0.7} for c in (1.0, 0.5, 0.0)],
 }
 SWEEPS_QUICK = {"budget": [{"fanout_budget": b} for b in (5, 8, 12)],
                 "c": [{"saguaro_c": c, "temperature": 0.7} for c in (1.0, 0.5)]}
-# quick: 10 minutes is the goal. C = 0 rounds accept ~1 token (AR's pace: 1.6 min of session 14's
-# 21-min quick run), so the quick C sweep stops at 0.5; its sweeps run at the main table's length, so
-# budget 12 and C 1.0 are the main rows (PIN)
+# Sized for 2 cores on which an AR token takes ~1 s (the AVX2-only EPYC; the Xeon of sessions 4-5 ran
+# AR at 2.5-2.9 tok/s): quick's goal is 10 minutes, full's 60.
+# - Both presets run their sweeps at the main table's length, on prompts of the main table, so a
+#   sweep's baseline is a main row (PIN): budget 12 and C 1.0 (temperature 0.7) are measured once.
+# - AR runs greedy only: its rate is one forward a token at any temperature (the temperature-0.7
+#   table shows greedy AR, labelled so).
+# - C = 0 rounds accept ~1 token (AR's pace: 1.6 min of session 14's quick run): quick stops at 0.5.
+# - quick sweeps and pairs the in-process runner on one prompt: ratios on one prompt are paired
+#   ratios still; full does both on the first prompt of each dataset.
+# - full: 64 tokens (128 until session 16: an estimated 95 minutes here) and the peer at K = 2, the issue's
+#   measured best for it.
 PRESETS = {
-    "quick": Preset("humaneval,gsm8k", 1, 32, 1, ("sd", "ssd"), 1, 32, SWEEPS_QUICK, 1, "2"),
-    "full": Preset("humaneval,gsm8k,mtbench", 2, 128, 1, ("ar", "sd", "ssd"), 2, 48, SWEEPS_FULL, 1, "2,4"),
+    "quick": Preset("humaneval,gsm8k", 1, 32, 1, ("sd", "ssd"), "humaneval", 32, SWEEPS_QUICK, "humaneval", "2"),
+    "full": Preset("humaneval,gsm8k,mtbench", 2, 64, 1, ("sd", "ssd"), "humaneval,gsm8k", 64, SWEEPS_FULL,
+                   "humaneval,gsm8k,mtbench", "2"),
 }
 # the warm-up's lengths: first-call allocations, and the policy's first records of SD and the SSD
-# backups (AR's first call allocates in 8 tokens; at ~1 s a token more would only cost time)
-WARM_TOKENS = {"ar": 8, "sd": 32, "ssd": 32}
+# backups (AR's and SD's first calls allocate in 8 tokens, and requests that pin a mode ask the
+# policy nothing; at ~1 s an AR token more would only cost time)
+WARM_TOKENS = {"ar": 8, "sd": 8, "ssd": 32}
 
 
 class Progress:
@@ -288,9 +298,9 @@ def main() -> None:
     codec = TextCodec(tdir)
     datasets = pr.datasets.split(",")
     main_prompts = prompt_rows(datasets, pr.per_dataset)
-    sweep_prompts = prompt_rows(["humaneval", "gsm8k"], pr.sweep_prompts)
-    inproc = [p for p in main_prompts if p["prompt"] < pr.inproc_per_dataset]
-    warm_text = held_out_prompt(max(pr.per_dataset, pr.sweep_prompts))
+    sweep_prompts = prompt_rows(pr.sweep_datasets.split(","), 1)
+    inproc = [p for p in main_prompts if p["prompt"] == 0 and p["dataset"] in pr.inproc_datasets.split(",")]
+    warm_text = held_out_prompt(pr.per_dataset)
     phases = a.phases.split(",")
 
     split_jobs = plan_split(pr, main_prompts, sweep_prompts)
