@@ -187,6 +187,12 @@ def prompt_rows(datasets: list[str], n: int) -> list[dict]:
     return [dict(dataset=ds, prompt=i, text=t) for ds in datasets for i, t in enumerate(load(ds, n))]
 
 
+def first_prompts(rows: list[dict], datasets: str) -> list[dict]:
+    """The first prompt of each of ``datasets`` (comma-separated) among the main table's ``rows``:
+    where the sweeps and the in-process twins run, so they share the main rows' requests."""
+    return [p for p in rows if p["prompt"] == 0 and p["dataset"] in datasets.split(",")]
+
+
 def held_out_prompt(used: int) -> str:
     """A HumanEval prompt that no job measures (jobs use the first ``used``): the warm-up's."""
     return load("humaneval", used + 1)[-1]
@@ -297,8 +303,8 @@ def main() -> None:
     codec = TextCodec(tdir)
     datasets = pr.datasets.split(",")
     main_prompts = prompt_rows(datasets, pr.per_dataset)
-    sweep_prompts = prompt_rows(pr.sweep_datasets.split(","), 1)
-    inproc = [p for p in main_prompts if p["prompt"] == 0 and p["dataset"] in pr.inproc_datasets.split(",")]
+    sweep_prompts = first_prompts(main_prompts, pr.sweep_datasets)
+    inproc = first_prompts(main_prompts, pr.inproc_datasets)
     warm_text = held_out_prompt(pr.per_dataset)
     phases = a.phases.split(",")
 
