@@ -116,6 +116,27 @@ def test_report_counts_divergences_and_fits_the_miss_rate(tmp_path):
         assert (tmp_path / png).stat().st_size > 1000
 
 
+def test_report_ratios_pair_the_prompts_both_configurations_ran():
+    """Quick runs the 2-thread rows and the peer on one prompt of two: every ratio (targets and the
+    tables' vs AR / vs SD) compares the same prompts, not one prompt's rate with another's."""
+    sys.path.insert(0, str(REPO / "tools" / "bench"))
+    import report
+
+    def row(mode, prompt, tps, **kw):
+        return dict(phase="greedy", mode=mode, dataset="toy", prompt=prompt, ids=[1], latency_s=1.0,
+                    decode_tokens_per_s=tps, acceptance_length=1.0, p_hit=0.0, **kw)
+
+    # prompt 1 runs 5x faster than prompt 0 in every configuration that ran it
+    raw = {"split": [row("ar", 0, 1.0), row("ar", 1, 5.0), row("sd", 0, 2.0), row("sd", 1, 10.0),
+                     row("ssd", 0, 3.0), row("ssd", 1, 15.0)],
+           "shared2": [row("ar", 0, 1.5), row("sd", 0, 2.5)], "peer": [row("assisted", 0, 2.0, k=2)]}
+    md = report.targets(raw)
+    assert "| SSD (1+1) / best of SD 2 threads and peer | 1.20 | >= 1.15 | yes |" in md  # 3.0 / 2.5, not 9.0 / 2.5
+    assert "| our SD 2 threads / peer 2 threads | 1.25 | >= 1.0 | yes |" in md
+    assert "| SSD / SD, paper protocol | 1.50 | >= 1.25 | yes |" in md
+    assert "| SD K=4, 2 threads | 2.50 | 1.0 | 2.50x | 1.25x |" in report.table(raw, None)  # vs AR 1.0, SD 2.0
+
+
 def test_loadtest_parts_merge_into_one_row():
     """`loadtest/sweep.py --repeat` (loadtest/sweep_report.py): interleaved parts of a cell report as one, with tokens/s over
     all the parts' time (not a mean of rates) and percentiles over all their latencies."""
@@ -146,13 +167,14 @@ def test_quick_bench_measures_a_request_shared_by_two_tables_once():
 
     pr = run.PRESETS["quick"]
     prompts = [dict(dataset=ds, prompt=0, text=f"{ds} prompt") for ds in ("humaneval", "gsm8k")]
-    jobs = run.plan_split(pr, prompts, prompts)
+    jobs = run.plan_split(pr, prompts, run.first_prompts(prompts, pr.sweep_datasets))
     keys = {}
     for tags, body in jobs:
         keys.setdefault(run.job_key(tags, body, pr.max_tokens), []).append(tags["phase"])
     shared = sorted(sorted(phases) for phases in keys.values() if len(phases) > 1)
-    assert shared == [["greedy", "sweep:budget"]] * 2 + [["sweep:c", "t0.7"]] * 2
-    assert len(keys) == len(jobs) - 4
+    # quick sweeps and samples the HumanEval prompt only
+    assert shared == [["greedy", "sweep:budget"], ["sweep:c", "t0.7"]]
+    assert len(keys) == len(jobs) - 2
     # AR's rate does not depend on the temperature: quick measures it greedy only
     assert not any(t["phase"] == "t0.7" and t["mode"] == "ar" for t, _ in jobs)
     full = run.PRESETS["full"]

@@ -2,8 +2,8 @@
 
 Phases (each prints progress and an ETA):
   split     served, target on core 0 + drafter on core 1, one thread each (the paper's protocol):
-            AR, SD, SSD greedy; SD, SSD (and AR, full preset) at temperature 0.7; the sweeps (K,
-            fan-out shape and budget, backup, C) behind the shipped defaults (checked with ab.py)
+            AR, SD, SSD greedy; SD, SSD at temperature 0.7; the sweeps (K, fan-out shape and
+            budget, backup, C) behind the shipped defaults (checked with ab.py)
   shared2   served, every engine on both cores with 2 threads: AR and SD (same hardware for everyone)
   inproc    the same engines without Triton (tools/bench/inprocess.py): the serving overhead; each
             greedy in-process job runs right after its served twin (split phase), same prompt, same cores
@@ -39,12 +39,13 @@ class Preset:
     datasets: str
     per_dataset: int  # greedy main table
     max_tokens: int
-    sampled_per_dataset: int  # temperature 0.7 table
+    sampled_datasets: str  # the temperature 0.7 table runs on the first prompt of each
     sampled_modes: tuple  # its modes (AR's rate is one forward a token at any temperature)
     sweep_datasets: str  # the sweeps run on the first prompt of each, at max_tokens
     sweeps: dict  # name -> list of per-request overrides
     inproc_datasets: str  # in-process twins of the greedy rows on the first prompt of each
     peer_k: str
+    two_thread_datasets: str  # AR and SD at 2 threads and the peer run on the main prompts of these
 
 
 # every SSD sweep point states all knobs, so the shared baseline (the shipped defaults) runs once
@@ -77,10 +78,15 @@ SWEEPS_QUICK = {"budget": [{"fanout_budget": b} for b in (5, 8, 12)],
 #   ratios still; full does both on the first prompt of each dataset.
 # - full: 64 tokens (128 until session 16: an estimated 95 minutes here) and the peer at K = 2, the issue's
 #   measured best for it.
+# - quick: 24 tokens (32 until session 17: 12.0 minutes), and the temperature-0.7 rows, the 2-thread
+#   rows and the peer on the HumanEval prompt only (each ratio is taken over the prompts both sides ran:
+#   report.paired_ratio). Of session 16's 12 minutes, 3.5 were fixed costs (two server starts and
+#   warm-ups, loading the peer), 2.5 prefill, 6 decoding.
+ALL3 = "humaneval,gsm8k,mtbench"
 PRESETS = {
-    "quick": Preset("humaneval,gsm8k", 1, 32, 1, ("sd", "ssd"), "humaneval", SWEEPS_QUICK, "humaneval", "2"),
-    "full": Preset("humaneval,gsm8k,mtbench", 2, 64, 1, ("sd", "ssd"), "humaneval,gsm8k", SWEEPS_FULL,
-                   "humaneval,gsm8k,mtbench", "2"),
+    "quick": Preset("humaneval,gsm8k", 1, 24, "humaneval", ("sd", "ssd"), "humaneval", SWEEPS_QUICK, "humaneval", "2",
+                    "humaneval"),
+    "full": Preset(ALL3, 2, 64, ALL3, ("sd", "ssd"), "humaneval,gsm8k", SWEEPS_FULL, ALL3, "2", ALL3),
 }
 # the warm-up's lengths: first-call allocations, and the policy's first records of SD and the SSD
 # backups (AR's and SD's first calls allocate in 8 tokens, and requests that pin a mode ask the
@@ -277,7 +283,7 @@ def plan_split(pr: Preset, main_prompts: list[dict], sweep_prompts: list[dict]) 
     jobs = [({**p, "phase": "greedy", "mode": m}, {"mode": m, **PIN.get(m, {})})
             for p in main_prompts for m in ("ar", "sd", "ssd")]
     jobs += [({**p, "phase": "t0.7", "mode": m}, {"mode": m, **PIN.get(m, {}), "temperature": 0.7})
-             for p in main_prompts if p["prompt"] < pr.sampled_per_dataset for m in pr.sampled_modes]
+             for p in first_prompts(main_prompts, pr.sampled_datasets) for m in pr.sampled_modes]
     for name, variants in pr.sweeps.items():
         for v in variants:
             body = {**({} if v.get("mode") == "sd" else SSD_BASE), **v}
@@ -309,8 +315,9 @@ def main() -> None:
     phases = a.phases.split(",")
 
     split_jobs = plan_split(pr, main_prompts, sweep_prompts)
-    shared_jobs = [({**p, "phase": "greedy", "mode": m}, {"mode": m}) for p in main_prompts for m in ("ar", "sd")]
-    n_peer = len(main_prompts) * len(pr.peer_k.split(","))
+    two_t = [p for p in main_prompts if p["dataset"] in pr.two_thread_datasets.split(",")]
+    shared_jobs = [({**p, "phase": "greedy", "mode": m}, {"mode": m}) for p in two_t for m in ("ar", "sd")]
+    n_peer = len(two_t) * len(pr.peer_k.split(","))
     n_split = len({job_key(t, b, pr.max_tokens) for t, b in split_jobs})
     total = (n_split * ("split" in phases) + len(shared_jobs) * ("shared2" in phases)
              + 3 * len(inproc) * ("inproc" in phases) + n_peer * ("peer" in phases))
@@ -347,7 +354,7 @@ def main() -> None:
         raw["shared2"] = run_served("shared2", shared_jobs, a, prog, warm_text)
     ids_file = a.out / "prompt_ids.json"
     ids_file.write_text(json.dumps([{"dataset": p["dataset"], "index": p["prompt"], "ids": codec.encode_prompt(p["text"])}
-                                    for p in main_prompts]))
+                                    for p in two_t]))
     if "peer" in phases:
         raw["peer"] = run_subprocess("peer.py", ["--target", str(tdir), "--drafter", str(ddir), "--prompts",
                                                  str(ids_file), "--max-tokens", str(pr.max_tokens), "--k", pr.peer_k,
