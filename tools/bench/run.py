@@ -195,7 +195,8 @@ def prompt_rows(datasets: list[str], n: int) -> list[dict]:
 
 def first_prompts(rows: list[dict], datasets: str) -> list[dict]:
     """The first prompt of each of ``datasets`` (comma-separated) among the main table's ``rows``:
-    where the sweeps and the in-process twins run, so they share the main rows' requests."""
+    where the sweeps, the in-process twins and the temperature-0.7 rows run, so they share the main
+    rows' requests."""
     return [p for p in rows if p["prompt"] == 0 and p["dataset"] in datasets.split(",")]
 
 
