@@ -137,6 +137,33 @@ def test_report_ratios_pair_the_prompts_both_configurations_ran():
     assert "| SD K=4, 2 threads | 2.50 | 1.0 | 2.50x | 1.25x |" in report.table(raw, None)  # vs AR 1.0, SD 2.0
 
 
+def test_sweeps_choose_a_value_only_beyond_the_repeated_baselines_spread():
+    """The shipped SSD configuration runs twice a sweep prompt; a sweep's best replaces the shipped
+    value only when it wins by more than those two measurements differed."""
+    sys.path.insert(0, str(REPO / "tools" / "bench"))
+    import report
+
+    def row(phase, prompt, tps, **knobs):
+        return dict(phase=phase, mode="ssd", dataset="toy", prompt=prompt, ids=[1], decode_tokens_per_s=tps,
+                    acceptance_length=3.0, p_hit=0.8, **{"fanout_budget": 12, "fanout_shape": "geometric", **knobs})
+
+    # the baseline ran 2.0 then 2.4 on prompt 0, 4.0 then 3.6 on prompt 1: it moved (0.4/2.2 + 0.4/3.8) / 2 = 14.3%
+    split = [row("greedy", 0, 2.0), row("greedy", 1, 4.0), row("repeat", 0, 2.4), row("repeat", 1, 3.6)]
+    split += [row("sweep:budget", 0, 2.0), row("sweep:budget", 1, 4.0)]  # 12: the greedy rows' request
+    split += [row("sweep:budget", 0, 2.2, fanout_budget=5), row("sweep:budget", 1, 4.4, fanout_budget=5)]  # +10%
+    split += [row("sweep:shape", 0, 2.0), row("sweep:shape", 1, 4.0)]
+    split += [row("sweep:shape", 0, 2.9, fanout_shape="uniform"), row("sweep:shape", 1, 4.3, fanout_shape="uniform")]
+    raw = {"split": split, "meta": {"sweep_defaults": {"budget": 12, "shape": "geometric"}}}
+    assert abs(report.repeat_spread(raw) - (0.4 / 2.2 + 0.4 / 3.8) / 2) < 1e-12
+    md, chosen = report.sweeps(raw)
+    assert "| 12 (shipped) | 3.00 | 3.00 | 0.80 | 4 |" in md  # both measurements of the baseline count
+    assert chosen["budget"].startswith("12 (5 ran +10%, within the 14%")
+    assert chosen["shape"] == "uniform (+20% over the shipped geometric)"  # 3.6 against 3.0
+    # without the repeat (runs before session 18) the fastest value is chosen, as it was then
+    old = {"split": [r for r in split if r["phase"] != "repeat"], "meta": raw["meta"]}
+    assert report.repeat_spread(old) is None and report.sweeps(old)[1]["budget"].startswith("5 (+10%")
+
+
 def test_loadtest_parts_merge_into_one_row():
     """`loadtest/sweep.py --repeat` (loadtest/sweep_report.py): interleaved parts of a cell report as one, with tokens/s over
     all the parts' time (not a mean of rates) and percentiles over all their latencies."""
@@ -175,6 +202,11 @@ def test_quick_bench_measures_a_request_shared_by_two_tables_once():
     # quick sweeps and samples the HumanEval prompt only
     assert shared == [["greedy", "sweep:budget"], ["sweep:c", "t0.7"]]
     assert len(keys) == len(jobs) - 2
+    # ... except the shipped SSD configuration's repeat after the sweeps: the same body, measured again
+    rep = [(t, b) for t, b in jobs if t["phase"] == "repeat"]
+    greedy_ssd = next(b for t, b in jobs if t["phase"] == "greedy" and t["mode"] == "ssd" and t["dataset"] == "humaneval")
+    assert [(t["dataset"], b) for t, b in rep] == [("humaneval", greedy_ssd)] and jobs[-1] == rep[0]
+    assert run.sweep_defaults(pr) == {"budget": 12, "c": 1.0}
     # AR's rate does not depend on the temperature: quick measures it greedy only
     assert not any(t["phase"] == "t0.7" and t["mode"] == "ar" for t, _ in jobs)
     full = run.PRESETS["full"]
