@@ -112,6 +112,11 @@ def test_report_counts_divergences_and_fits_the_miss_rate(tmp_path):
     assert "| ar | 900 / 12.0 | 880 / 2.0 | 1.0% |" in report.outside_forward(timed)
     _, _, r, c = report.budget_fit(raw)
     assert abs(r - 1.0) < 1e-9 and abs(c - 0.8) < 1e-9
+    # a short run can hit every round at every budget: no power law, said so, the points still plotted
+    allhit = {**raw, "split": [dict(x, p_hit=1.0) if x["phase"] == "sweep:budget" else x for x in split]}
+    assert report.budget_fit(allhit)[2:] == (None, None)
+    assert "no fit, fewer than two budgets missed a round (p_hit 1.00 / 1.00 / 1.00 at B = 4 / 8 / 16)" in \
+        report.write(allhit, tmp_path)
     for png in ("throughput.png", "hit_rate_vs_budget.png", "ssd_over_sd_predicted_vs_measured.png"):
         assert (tmp_path / png).stat().st_size > 1000
 
@@ -153,12 +158,20 @@ def test_sweeps_choose_a_value_only_beyond_the_repeated_baselines_spread():
     split += [row("sweep:budget", 0, 2.2, fanout_budget=5), row("sweep:budget", 1, 4.4, fanout_budget=5)]  # +10%
     split += [row("sweep:shape", 0, 2.0), row("sweep:shape", 1, 4.0)]
     split += [row("sweep:shape", 0, 2.9, fanout_shape="uniform"), row("sweep:shape", 1, 4.3, fanout_shape="uniform")]
-    raw = {"split": split, "meta": {"sweep_defaults": {"budget": 12, "shape": "geometric"}}}
+    # C at temperature 0.7: its baseline (the t0.7 row, 3.0 then 2.0: moved 40%) has its own spread
+    split += [dict(row("t0.7", 0, 3.0), temperature=0.7, saguaro_c=1.0),
+              dict(row("repeat", 0, 2.0), temperature=0.7, saguaro_c=1.0),
+              dict(row("sweep:c", 0, 3.0), temperature=0.7, saguaro_c=1.0),
+              dict(row("sweep:c", 0, 3.0), temperature=0.7, saguaro_c=0.5)]  # +20% over (3.0 + 2.0) / 2
+    raw = {"split": split, "meta": {"sweep_defaults": {"budget": 12, "shape": "geometric", "c": 1.0}}}
     assert abs(report.repeat_spread(raw) - (0.4 / 2.2 + 0.4 / 3.8) / 2) < 1e-12
+    assert abs(report.repeat_spread(raw, sampled=True) - 0.4) < 1e-12
     md, chosen = report.sweeps(raw)
     assert "| 12 (shipped) | 3.00 | 3.00 | 0.80 | 4 |" in md  # both measurements of the baseline count
     assert chosen["budget"].startswith("12 (5 ran +10%, within the 14%")
     assert chosen["shape"] == "uniform (+20% over the shipped geometric)"  # 3.6 against 3.0
+    assert chosen["c"].startswith("1.0 (0.5 ran +20%, within the 40%")  # the greedy 14% would have chosen 0.5
+    assert "moved 14% greedy and 40% at temperature 0.7" in md
     # without the repeat (runs before session 18) the fastest value is chosen, as it was then
     old = {"split": [r for r in split if r["phase"] != "repeat"], "meta": raw["meta"]}
     assert report.repeat_spread(old) is None and report.sweeps(old)[1]["budget"].startswith("5 (+10%")
@@ -203,9 +216,12 @@ def test_quick_bench_measures_a_request_shared_by_two_tables_once():
     assert shared == [["greedy", "sweep:budget"], ["sweep:c", "t0.7"]]
     assert len(keys) == len(jobs) - 2
     # ... except the shipped SSD configuration's repeat after the sweeps: the same body, measured again
+    # (greedy, and at temperature 0.7 for the C sweep)
     rep = [(t, b) for t, b in jobs if t["phase"] == "repeat"]
-    greedy_ssd = next(b for t, b in jobs if t["phase"] == "greedy" and t["mode"] == "ssd" and t["dataset"] == "humaneval")
-    assert [(t["dataset"], b) for t, b in rep] == [("humaneval", greedy_ssd)] and jobs[-1] == rep[0]
+    ssd = {t["phase"]: b for t, b in jobs if t["phase"] in ("greedy", "t0.7") and t["mode"] == "ssd"
+           and t["dataset"] == "humaneval"}
+    assert [(t["dataset"], b) for t, b in rep] == [("humaneval", ssd["greedy"]), ("humaneval", ssd["t0.7"])]
+    assert jobs[-2:] == rep
     assert run.sweep_defaults(pr) == {"budget": 12, "c": 1.0}
     # AR's rate does not depend on the temperature: quick measures it greedy only
     assert not any(t["phase"] == "t0.7" and t["mode"] == "ar" for t, _ in jobs)

@@ -92,14 +92,16 @@ SWEEP_KNOBS = {"k": "num_draft_tokens", "sd_k": "num_draft_tokens", "shape": "fa
                "backup": "backup", "c": "saguaro_c", "adaptive_k": "adaptive_k"}
 
 
-def repeat_spread(raw: dict) -> float | None:
+def repeat_spread(raw: dict, sampled: bool = False) -> float | None:
     """How far the shipped SSD configuration's rate moved between its two measurements of each sweep
-    prompt (with the main table, then after the sweeps): the mean of |first - again| / their mean.
-    ``None`` for runs without the repeat (before session 18)."""
+    prompt (with the main table, then after the sweeps): the mean of |first - again| / their mean,
+    greedy or at temperature 0.7 (``sampled``). ``None`` for runs without the repeat (before session 18)."""
     split = raw.get("split", [])
-    again = {(r["dataset"], r["prompt"]): r["decode_tokens_per_s"] for r in split if r["phase"] == "repeat"}
+    again = {(r["dataset"], r["prompt"]): r["decode_tokens_per_s"] for r in split
+             if r["phase"] == "repeat" and bool(r.get("temperature")) == sampled}
     first = {(r["dataset"], r["prompt"]): r["decode_tokens_per_s"] for r in split
-             if r["phase"] == "greedy" and r["mode"] == "ssd" and (r["dataset"], r["prompt"]) in again}
+             if r["phase"] == ("t0.7" if sampled else "greedy") and r["mode"] == "ssd"
+             and (r["dataset"], r["prompt"]) in again}
     if not again or first.keys() != again.keys():
         return None
     return mean(abs(first[p] - again[p]) / ((first[p] + again[p]) / 2) for p in again)
@@ -112,17 +114,21 @@ def sweeps(raw: dict) -> tuple[str, dict]:
     baseline's two measurements differed (``repeat_spread``): a smaller gain is this machine's noise."""
     out, chosen = [], {}
     defaults = raw.get("meta", {}).get("sweep_defaults", {})
-    spread = repeat_spread(raw)
+    spreads = {s: repeat_spread(raw, s) for s in (False, True)}
     by: dict[str, dict] = defaultdict(lambda: defaultdict(list))
-    repeats = [r for r in raw.get("split", []) if r["phase"] == "repeat"]
+    repeats = defaultdict(list)
     for r in raw.get("split", []):
+        if r["phase"] == "repeat":
+            repeats[bool(r.get("temperature"))].append(r)
         if r["phase"].startswith("sweep:"):
             name = r["phase"].split(":", 1)[1]
             by[name][r.get(SWEEP_KNOBS[name])].append(r)
     for name, variants in by.items():
         default = defaults.get(name)
-        if name not in ("sd_k", "c") and default in variants:
-            variants[default] = variants[default] + repeats
+        sampled = any(r.get("temperature") for rows in variants.values() for r in rows)
+        spread = spreads[sampled]  # SD's K sweep: the greedy SSD baseline's spread, the machine's noise
+        if name != "sd_k" and default in variants:
+            variants[default] = variants[default] + repeats[sampled]
         out.append(f"\n**{name}** ({'SD' if name == 'sd_k' else 'SSD'}, decode tok/s / accept len / p_hit)\n")
         out.append("| value | decode tok/s | accept len | p_hit | n |\n|---|---|---|---|---|")
         scores = {}
@@ -140,22 +146,29 @@ def sweeps(raw: dict) -> tuple[str, dict]:
             chosen[name] = f"{default} ({best} ran {gain:+.0%}, within the {spread:.0%} the repeated baseline moved)"
         else:
             chosen[name] = f"{best} ({gain:+.0%} over the shipped {default})"
-    if spread is not None:
+    moved = [f"{spreads[s]:.0%} {'at temperature 0.7' if s else 'greedy'}" for s in (False, True)
+             if spreads[s] is not None]
+    if moved:
         out.append(f"\nThe shipped SSD configuration, measured twice on each sweep prompt (with the main table, "
-                   f"then after the sweeps), moved {spread:.0%} between its two measurements.")
+                   f"then after the sweeps), moved {' and '.join(moved)} between its two measurements.")
     return "\n".join(out), chosen
 
 
-def budget_fit(raw: dict) -> tuple[list, list, float, float] | None:
+def budget_fit(raw: dict) -> tuple[list, list, float | None, float | None] | None:
+    """The budget sweep's mean p_hit per budget and the power law miss = c B^-r fitted to it; r and c
+    are None when fewer than two budgets missed a round (a short run can hit every round). None
+    without a budget sweep."""
     pts = defaultdict(list)
     for r in raw.get("split", []):
         if r["phase"] == "sweep:budget":
             pts[r["fanout_budget"]].append(r["p_hit"])
+    if not pts:
+        return None
     bs = sorted(pts)
     hits = [mean(pts[b]) for b in bs]
     usable = [(b, 1 - h) for b, h in zip(bs, hits) if 0 < 1 - h < 1]
     if len(usable) < 2:
-        return None
+        return bs, hits, None, None
     xs, ys = [math.log(b) for b, _ in usable], [math.log(m) for _, m in usable]
     mx, my = mean(xs), mean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
@@ -191,8 +204,9 @@ def plots(raw: dict, out: Path) -> list[str]:
         bs, hits, r, c = fit
         fig, ax = plt.subplots(figsize=(5.5, 4))
         ax.plot(bs, hits, "o", label="measured p_hit")
-        grid = [bs[0] + (bs[-1] - bs[0]) * i / 50 for i in range(51)]
-        ax.plot(grid, [1 - c * b ** -r for b in grid], "-", label=f"fit: miss = {c:.2f} B^-{r:.2f}")
+        if r is not None:
+            grid = [bs[0] + (bs[-1] - bs[0]) * i / 50 for i in range(51)]
+            ax.plot(grid, [1 - c * b ** -r for b in grid], "-", label=f"fit: miss = {c:.2f} B^-{r:.2f}")
         ax.set_xlabel("fan-out budget B (branches per round)")
         ax.set_ylabel("cache hit rate")
         ax.set_title("Hit rate vs fan-out budget (K=4)")
@@ -323,8 +337,11 @@ def write(raw: dict, out: Path) -> str:
         parts += ["\n## Sweeps (served, 1+1 cores)\n", sw, "\n**Chosen per sweep:** " +
                   ", ".join(f"{k} = {v}" for k, v in chosen.items())]
     fit = budget_fit(raw)
-    if fit:
+    if fit and fit[2] is not None:
         parts.append(f"\nMiss rate vs fan-out budget: miss = {fit[3]:.3f} B^-{fit[2]:.2f}")
+    elif fit:
+        parts.append(f"\nMiss rate vs fan-out budget: no fit, fewer than two budgets missed a round (p_hit "
+                     + " / ".join(f"{h:.2f}" for h in fit[1]) + f" at B = {' / '.join(map(str, fit[0]))})")
     made = plots(raw, out)
     parts.append("\nPlots: " + ", ".join(made))
     md = "\n".join(parts) + "\n"

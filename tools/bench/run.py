@@ -290,12 +290,15 @@ def plan_split(pr: Preset, main_prompts: list[dict], sweep_prompts: list[dict]) 
         for v in variants:
             body = {**({} if v.get("mode") == "sd" else SSD_BASE), **v}
             jobs += [({**p, "phase": f"sweep:{name}", "mode": v.get("mode", "ssd")}, body) for p in sweep_prompts]
-    if pr.sweeps:
-        # The SSD sweeps share one baseline, measured with the main table; measuring it again after the
-        # sweeps shows how far one request's rate moves between two minutes of this machine (session 17:
-        # a slow baseline made five sweeps "choose" a non-default), and a sweep's best then replaces the
-        # shipped value only when it wins by more than that (report.sweeps)
-        jobs += [({**p, "phase": "repeat", "mode": "ssd", "repeat": 1}, {"mode": "ssd", **SSD_BASE})
+    # The SSD sweeps share one baseline, measured with the main table; measuring it again after the
+    # sweeps shows how far one request's rate moves between two minutes of this machine (session 17:
+    # a slow baseline made five sweeps "choose" a non-default), and a sweep's best then replaces the
+    # shipped value only when it wins by more than that (report.sweeps). The C sweep's baseline, at
+    # temperature 0.7, is repeated too: its spread also holds the luck of the sampled tokens.
+    temps = {v.get("temperature", 0.0) for variants in pr.sweeps.values() for v in variants}
+    for t in sorted(temps):
+        jobs += [({**p, "phase": "repeat", "mode": "ssd", "repeat": 1}, {"mode": "ssd", **SSD_BASE,
+                                                                         **({"temperature": t} if t else {})})
                  for p in sweep_prompts]
     return jobs
 
