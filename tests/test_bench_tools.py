@@ -78,6 +78,24 @@ def test_peer_matches_our_greedy_ar(engine_root, codec, tmp_path):
         assert r["decode_tokens_per_s"] > 0 and r["target_forwards"] >= 1
 
 
+def test_peer_drafts_the_k_it_is_asked_for(engine_root, codec, tmp_path):
+    """transformers reads K from the assistant's own generation_config (passed to generate() it is
+    ignored, and its default K = 20 with a confidence cut-off ran). With the target as its own
+    assistant every draft is accepted, so each round yields K + 1 tokens: never more, and the full
+    K + 1 at least once."""
+    out = tmp_path / "peer.json"
+    _run("peer.py", ["--target", str(engine_root / TARGET), "--drafter", str(engine_root / TARGET), "--prompts",
+                     str(_prompts(tmp_path, codec)), "--max-tokens", str(N), "--k", "2,3", "--modes", "assisted",
+                     "--cores", "0", "--threads", "1", "--out", str(out)])
+    rows = json.loads(out.read_text())
+    assert sorted((r["prompt"], r["k"]) for r in rows) == [(0, 2), (0, 3), (1, 2), (1, 3)]
+    for r in rows:
+        per_round = r["tokens_per_round"]
+        assert sum(per_round) == r["new_tokens"] and len(per_round) == r["target_forwards"], r
+        assert max(per_round) == r["k"] + 1, (r["k"], per_round)
+        assert r["acceptance_length"] == r["new_tokens"] / r["target_forwards"]
+
+
 def test_report_counts_divergences_and_fits_the_miss_rate(tmp_path):
     sys.path.insert(0, str(REPO / "tools" / "bench"))
     import report

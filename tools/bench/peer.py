@@ -3,8 +3,9 @@
 `python tools/bench/peer.py --cores 0,1 --threads 2 --k 2 --prompts P.json --out R.json` runs the
 target alone (transformers AR) and with `assistant_model=<drafter>` (assisted generation, constant
 K, no confidence cut-off: plain SD as transformers ships it), greedy, on the same token ids our
-server decodes (the same chat template). Decode tokens/s excludes the prefill: a streamer stamps the
-first generated token, and the rate is (new tokens - 1) / (end - first token).
+server decodes (the same chat template). Decode tokens/s excludes the prefill: a streamer stamps each
+round's tokens, and the rate is the tokens after the first round over the time after it (assisted
+generation's first target forward is the prefill and the first verify at once).
 """
 from __future__ import annotations
 
@@ -55,20 +56,28 @@ def run(target, assistant, ids: list[int], max_tokens: int, k: int, eos: list[in
     kw = dict(max_new_tokens=max_tokens, do_sample=False, streamer=st, eos_token_id=eos,
               pad_token_id=eos[0] if eos else None, attention_mask=torch.ones_like(inp))
     if assistant is not None:
-        kw.update(assistant_model=assistant, num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
-                  assistant_confidence_threshold=0.0)
+        # transformers (5.x) reads K, its schedule and the confidence cut-off from the assistant's own
+        # generation_config: passed to generate() they are ignored, and the assistant's defaults
+        # (K = 20, cut-off 0.4, tuned on the fly) ran instead, which is what sessions 4-19 measured
+        assistant.generation_config.update(num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
+                                           assistant_confidence_threshold=0.0)
+        kw.update(assistant_model=assistant)
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = target.generate(inp, **kw)
     t_end = time.perf_counter()
     new = out[0, len(ids):].tolist()
-    t_first = st.times[1] if len(st.times) > 2 else t_end  # [prompt, first token, ..., end]
-    rounds = max(calls.n - 1, 0)  # target forwards after the prefill
+    # stamps: [prompt, first round, ..., end]. AR's first round is the prefill's one token; an assisted
+    # first round is one target forward over the prompt and K drafts, so it yields up to K + 1 tokens,
+    # and the decode rate counts only the tokens after it
+    t_first = st.times[1] if len(st.times) > 2 else t_end
+    per_round = st.counts[1:]
+    after_first = len(new) - (per_round[0] if per_round else len(new))
+    rounds = calls.n if assistant is not None else max(calls.n - 1, 0)  # AR: forwards after the prefill
     return {"ids": new, "new_tokens": len(new), "prefill_s": t_first - t0, "latency_s": t_end - t0,
-            "decode_tokens_per_s": (len(new) - 1) / (t_end - t_first) if len(new) > 1 and t_end > t_first else 0.0,
-            # not reported: the forward count seen by a hook on the target does not match transformers'
-            # assisted rounds (it gave > K+1 tokens per round), so no trustworthy figure here
-            "acceptance_length": None, "target_forwards": rounds}
+            "decode_tokens_per_s": after_first / (t_end - t_first) if after_first > 0 and t_end > t_first else 0.0,
+            "acceptance_length": len(new) / rounds if assistant is not None and rounds else None,
+            "tokens_per_round": per_round, "target_forwards": rounds}
 
 
 def main() -> None:
