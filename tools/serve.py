@@ -67,8 +67,9 @@ def main() -> None:
         print(f"[serve] OpenAI  {frontend.base_url}  (model '{roles['target']}', log: {frontend.log_file})")
     print(f"""[serve] try:
   curl -s {server.http_url}/v2/models/ssd/generate -d '{{"text_input": "Write a Python function that checks whether a number is prime.", "max_tokens": 64}}'
-  .venv/bin/python tools/client.py --url {server.http_url} --mode ssd "Write a quicksort in Python."
-  .venv/bin/python tools/client.py --grpc --url {server.grpc_url} --stream "Explain recursion in one paragraph."
+  .venv/bin/python examples/http_client.py --url http://{server.http_url} "Write a quicksort in Python."
+  .venv/bin/python examples/grpc_stream_client.py --url {server.grpc_url} "Explain recursion in one paragraph."
+  .venv/bin/python examples/openai_client.py --url http://{a.address}:{a.openai_port}/v1 "Write a haiku about caches."
   curl -sN http://{a.address}:{a.openai_port}/v1/chat/completions -H 'Content-Type: application/json' -d '{{"model": "{roles['target']}", "messages": [{{"role": "user", "content": "Write a haiku about caches."}}], "stream": true}}'
 [serve] Ctrl-C to stop.""", flush=True)
     stop = {"now": False}
