@@ -88,7 +88,8 @@ def test_local_pair_builds_and_serves(checkpoints, tmp_path):
     http, grpc, metrics, oai = (free_port() for _ in range(4))
     serve = subprocess.Popen([sys.executable, str(REPO / "tools" / "serve.py"), "--config", str(profile),
                               "--engine-root", str(out), "--http-port", str(http), "--grpc-port", str(grpc),
-                              "--metrics-port", str(metrics), "--openai-port", str(oai)],
+                              "--metrics-port", str(metrics), "--openai-port", str(oai),
+                              "--work-dir", str(tmp_path / "serve")],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         lines = []
@@ -128,6 +129,7 @@ def test_drafter_with_another_tokenizer_is_refused(checkpoints, tmp_path):
     r = _build(_profile(tmp_path / "bad.yaml", checkpoints["target"], checkpoints["foreign"]), tmp_path / "engines")
     assert r.returncode != 0
     assert "different tokenizer" in r.stderr and "my-drafter" in r.stderr and "my-target" in r.stderr, r.stderr
+    assert not (tmp_path / "engines").exists(), "two Hugging Face folders are compared before anything is converted"
 
 
 def test_unsupported_architecture_is_refused_before_converting(checkpoints, tmp_path):

@@ -40,6 +40,10 @@ def build(config: Path, out_root: Path, cache: Path, dtype_override: str | None 
         if "path" in src:
             path = (config.parent / Path(src["path"]).expanduser()).resolve()
             local[name] = (path, check_source(path))
+    by_role = {spec["role"]: name for name, spec in engines.items()}
+    pair = [by_role.get("target"), by_role.get("drafter")]
+    if all(n in local and local[n][1] == "hf" for n in pair):  # both HF folders: check before converting
+        check_same_tokenizer(local[pair[0]][0], local[pair[1]][0], *pair)
     built = {}
     for i, (name, spec) in enumerate(engines.items(), 1):
         src = cfg["sources"][spec["source"]]
@@ -56,9 +60,8 @@ def build(config: Path, out_root: Path, cache: Path, dtype_override: str | None 
             gguf = local[name][0] if name in local else fetch(src, cache)
             convert(gguf, folder, dtype, spec["role"], source_id, keep)
         built[name] = folder
-    roles = {spec["role"]: built[name] for name, spec in engines.items()}
-    if "target" in roles and "drafter" in roles:
-        check_same_tokenizer(roles["target"], roles["drafter"])
+    if all(pair):
+        check_same_tokenizer(built[pair[0]], built[pair[1]], *pair)
     return list(built.values())
 
 

@@ -134,10 +134,11 @@ def convert_hf_dir(src: Path, out: Path, dtype: str, role: str, source_id: str) 
     print(f"[convert] {out} ready in {time.time() - t0:.0f} s", flush=True)
 
 
-def check_same_tokenizer(target: Path, drafter: Path) -> None:
-    """Refuses a drafter whose token ids mean other text than the target's (built engine folders)."""
+def check_same_tokenizer(target: Path, drafter: Path, target_name: str = "", drafter_name: str = "") -> None:
+    """Refuses a drafter whose token ids mean other text than the target's (engine or HF folders)."""
     from tokenizers import Tokenizer
 
+    tn, dn = f"{target_name or target.name} ({target})", f"{drafter_name or drafter.name} ({drafter})"
     t = Tokenizer.from_file(str(target / "tokenizer.json")).get_vocab(with_added_tokens=True)
     d = Tokenizer.from_file(str(drafter / "tokenizer.json")).get_vocab(with_added_tokens=True)
     if t != d:
@@ -145,12 +146,12 @@ def check_same_tokenizer(target: Path, drafter: Path) -> None:
         diff = sorted(i for i in set(t_by_id) | set(d_by_id) if t_by_id.get(i) != d_by_id.get(i))
         i = diff[0]
         raise CheckpointError(
-            f"the drafter {drafter.name} has a different tokenizer from the target {target.name}: "
-            f"{len(diff)} token ids differ (vocabularies of {len(d)} and {len(t)} tokens; e.g. id {i} is "
+            f"the drafter {dn} has a different tokenizer from the target {tn}: "
+            f"{len(diff)} token ids differ (drafter {len(d)} tokens, target {len(t)}; e.g. id {i} is "
             f"{d_by_id.get(i)!r} for the drafter and {t_by_id.get(i)!r} for the target). Speculative decoding "
             f"needs a drafter from the target's family with the same tokenizer")
     tv = json.loads((target / "config.json").read_text())["vocab_size"]
     dv = json.loads((drafter / "config.json").read_text())["vocab_size"]
     if tv != dv:
-        raise CheckpointError(f"the drafter {drafter.name} has {dv} output logits and the target {target.name} "
+        raise CheckpointError(f"the drafter {dn} has {dv} output logits and the target {tn} "
                               f"{tv}: the engines need the same vocab_size (the same padded embedding)")

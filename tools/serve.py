@@ -37,10 +37,11 @@ def main() -> None:
     ap.add_argument("--drafter-cores", default="1")
     ap.add_argument("--threads", default="1", help="torch threads per engine process")
     ap.add_argument("--mode", default="ssd", choices=["ar", "sd", "ssd"], help="default decoding mode")
+    ap.add_argument("--work-dir", type=Path, default=REPO / "build", help="rendered model repository and logs")
     ap.add_argument("--openai-port", type=int, default=9000, help="OpenAI-compatible frontend's port (0: none)")
     a = ap.parse_args()
     roles = engines_by_role(a.config)
-    repo = render_repository(REPO / "build" / "model_repository", {
+    repo = render_repository(a.work_dir / "model_repository", {
         "ssd": {"tokenizer": roles["target"], "default_mode": a.mode},
         "target": {"engine": roles["target"], "cores": a.target_cores, "threads": a.threads},
         "drafter_primary": {"engine": roles["drafter"], "cores": a.drafter_cores, "threads": a.threads},
@@ -48,7 +49,7 @@ def main() -> None:
     })
     server = TritonServer(repo, a.engine_root, http_port=a.http_port, grpc_port=a.grpc_port,
                           metrics_port=a.metrics_port, address=a.address,
-                          log_file=REPO / "build" / "tritonserver.log")
+                          log_file=a.work_dir / "tritonserver.log")
     print(f"[serve] starting tritonserver (log: {server.log_file}) ...", flush=True)
     t0 = time.time()
     server.start(timeout=900)
@@ -58,7 +59,7 @@ def main() -> None:
     frontend = None
     if a.openai_port:
         frontend = OpenAIFrontend(a.engine_root / roles["target"], server.grpc_url, port=a.openai_port,
-                                  host=a.address, log_file=REPO / "build" / "openai_frontend.log")
+                                  host=a.address, log_file=a.work_dir / "openai_frontend.log")
         try:
             frontend.start()
         except (RuntimeError, TimeoutError):
