@@ -128,11 +128,14 @@ class Executor:
         self.warnings: list[str] = []
         self.iterations = 0
         self.decode_iterations: dict[int, int] = {}
+        self.requests: dict[int, Request] = {}  # every request enqueued, for tests to inspect
+        self.batches: list[int] = []  # sizes of enqueue_requests calls
         self._next_id = 1
 
     # -- enqueue: LlmRequest::validate ------------------------------------------------------------
     def enqueue_request(self, request: Request) -> int:
         rid, self._next_id = self._next_id, self._next_id + 1
+        self.requests[rid] = request
         prompt = len(request.input_token_ids)
         ext = request.external_draft_tokens_config
         drafts = list(ext.tokens) if ext else []
@@ -173,6 +176,7 @@ class Executor:
         return rid
 
     def enqueue_requests(self, requests: list[Request]) -> list[int]:
+        self.batches.append(len(requests))
         return [self.enqueue_request(r) for r in requests]
 
     def cancel_request(self, rid: int) -> None:

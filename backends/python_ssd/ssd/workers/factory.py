@@ -20,9 +20,10 @@ def build_worker(role: str, params: dict[str, str], engine_dir: str | None):
         if role != "target":
             raise ValueError(f"parameter 'engine_backend': tensorrt_llm serves the target only; the {role} "
                              "speculates with tree rows, which needs engine_backend 'torch'")
+        from ..engine.meta import trtllm_engine_dir
         from ..engine.trtllm_engine import TrtllmEngine
         from .trtllm_target import TrtllmTargetWorker
-        return TrtllmTargetWorker(TrtllmEngine(engine_dir))
+        return TrtllmTargetWorker(TrtllmEngine(trtllm_engine_dir(engine_dir)))
     from ..engine.engine import TorchEngine
     engine = TorchEngine(engine_dir, dtype=params.get("dtype") or None,
                          threads=int(params.get("threads") or 0) or None,
