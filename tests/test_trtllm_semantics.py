@@ -223,3 +223,15 @@ def test_build_and_runtime_share_the_engine_path(tmp_path: Path, monkeypatch) ->
     write_engine(tmp_path, "target")
     worker = build_worker("target", {"engine_backend": "tensorrt_llm"}, str(tmp_path / "engines/target"))
     assert worker.engine.folder == tmp_path / "engines/trtllm/target"
+
+
+def test_tensor_parallel_gpus_must_match_the_build(tmp_path: Path, monkeypatch) -> None:
+    made = install(monkeypatch, greedy_target)
+    from ssd.workers.factory import build_worker
+
+    write_engine(tmp_path, "target")  # tp_size 1
+    build_worker("target", {"engine_backend": "tensorrt_llm", "gpu_device_ids": "3"}, str(tmp_path / "engines/target"))
+    assert made[-1].config.parallel_config.device_ids == [3]
+    with pytest.raises(ValueError, match="gpu_device_ids.*tp_size 1"):
+        build_worker("target", {"engine_backend": "tensorrt_llm", "gpu_device_ids": "0,1,2,3"},
+                     str(tmp_path / "engines/target"))

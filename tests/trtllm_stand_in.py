@@ -55,10 +55,17 @@ class KvCacheConfig(_Kw):
 
 class ExecutorConfig(_Kw):
     def __init__(self, max_beam_width: int = 1, kv_cache_config=None, enable_chunked_context: bool = False,
-                 gather_generation_logits: bool = False, **kw):
+                 gather_generation_logits: bool = False, parallel_config=None, **kw):
         super().__init__(max_beam_width=max_beam_width, kv_cache_config=kv_cache_config,
                          enable_chunked_context=enable_chunked_context,
-                         gather_generation_logits=gather_generation_logits, **kw)
+                         gather_generation_logits=gather_generation_logits, parallel_config=parallel_config, **kw)
+
+
+class ParallelConfig(_Kw):
+    def __init__(self, communication_type="MPI", communication_mode="LEADER", device_ids=None, participant_ids=None,
+                 orchestrator_config=None, num_nodes=None):
+        super().__init__(communication_type=communication_type, communication_mode=communication_mode,
+                         device_ids=device_ids, participant_ids=participant_ids)
 
 
 class SamplingConfig(_Kw):
@@ -270,7 +277,7 @@ def executor_module(target: Callable[[list[int]], torch.Tensor]) -> tuple[types.
         made.append(Executor(engine_dir, model_type, config, target=target))
         return made[-1]
 
-    for cls in (KvCacheConfig, ExecutorConfig, SamplingConfig, OutputConfig, ExternalDraftTokensConfig, Request):
+    for cls in (KvCacheConfig, ExecutorConfig, ParallelConfig, SamplingConfig, OutputConfig, ExternalDraftTokensConfig, Request):
         setattr(m, cls.__name__, cls)
     m.Executor = make_executor
     m.ModelType = types.SimpleNamespace(DECODER_ONLY="decoder_only")

@@ -30,7 +30,8 @@ from ssd.engine.meta import trtllm_engine_dir  # noqa: E402  (torch-free: the ru
 
 DEFAULTS = {"version": "1.2", "examples_dir": "/workspace/TensorRT-LLM/examples", "max_draft_len": 4,
             "max_batch_size": 8, "max_seq_len": 4096, "max_input_len": None, "max_num_tokens": 4096,
-            "enable_chunked_context": True, "kv_cache_free_gpu_mem_fraction": {"target": 0.5, "drafter": 0.3}}
+            "enable_chunked_context": True, "kv_cache_free_gpu_mem_fraction": {"target": 0.5, "drafter": 0.3},
+            "tp_size": {"target": 1, "drafter": 1}}
 # HF model_type -> (examples/models/core/<dir>, architectures entry for the compat config.json)
 FAMILIES = {"qwen2": ("qwen", "Qwen2ForCausalLM"), "llama": ("llama", "LlamaForCausalLM"),
             "mistral": ("llama", "MistralForCausalLM")}
@@ -116,8 +117,10 @@ def plan_engine(name: str, spec: dict, s: dict, engines_root: Path, out_root: Pa
     p = EnginePlan(name, role, model_type, source, hf_dir, hf_present, build_root / "hf",
                    build_root / "checkpoint", engine_dir)
     script = Path(s["examples_dir"]) / "models" / "core" / family / "convert_checkpoint.py"
+    tps = s["tp_size"]
+    tp = int(tps.get(role, 1) if isinstance(tps, dict) else tps)  # tensor parallelism: GPUs per engine
     p.commands.append([python, str(script), "--model_dir", str(p.stage_dir), "--output_dir", str(p.ckpt_dir),
-                       "--dtype", "bfloat16", "--tp_size", "1", "--pp_size", "1"])
+                       "--dtype", "bfloat16", "--tp_size", str(tp), "--pp_size", "1"])
     build = ["trtllm-build", "--checkpoint_dir", str(p.ckpt_dir), "--output_dir", str(p.engine_dir),
              "--gemm_plugin", "auto", "--kv_cache_type", "paged", "--use_paged_context_fmha", "enable",
              "--max_batch_size", str(s["max_batch_size"]), "--max_input_len", str(s["max_input_len"]),
@@ -136,7 +139,7 @@ def plan_engine(name: str, spec: dict, s: dict, engines_root: Path, out_root: Pa
         "format": 1, "name": name, "role": role, "engine_dir": ".",
         "tokenizer_dir": os.path.relpath(hf_dir, p.engine_dir), "trtllm_version": str(s["version"]),
         "speculative_decoding_mode": "draft_tokens_external" if role == "target" else None,
-        "max_draft_len": k, "kv_cache_free_gpu_mem_fraction": frac, "enable_kv_cache_reuse": True,
+        "max_draft_len": k, "tp_size": tp, "kv_cache_free_gpu_mem_fraction": frac, "enable_kv_cache_reuse": True,
         "enable_chunked_context": bool(s["enable_chunked_context"]), "gather_generation_logits": True,
         "max_batch_size": int(s["max_batch_size"]), "max_input_len": int(s["max_input_len"]),
         "max_seq_len": int(s["max_seq_len"]), "max_num_tokens": int(s["max_num_tokens"]),

@@ -55,7 +55,10 @@ def round_seed(seed: int, round_index: int, stream: int) -> int:
 
 
 class TrtllmEngine:
-    def __init__(self, folder: str | os.PathLike, *, timeout_s: float = 120.0):
+    def __init__(self, folder: str | os.PathLike, *, timeout_s: float = 120.0, device_ids: list[int] | None = None):
+        """``device_ids``: the GPUs of a tensor-parallel engine (one per rank, as many as the
+        engine's tp_size). TRT-LLM's default communication mode (LEADER over MPI) then expects
+        the process to run under `mpirun -n <tp_size>`, one rank per GPU."""
         try:  # lazily: importing tensorrt_llm needs CUDA and its wheels, neither exists on CPU hosts
             import tensorrt_llm.bindings.executor as tle
         except ImportError as e:
@@ -80,6 +83,10 @@ class TrtllmEngine:
         self.vocab_size: int | None = rt.get("vocab_size")
         self.eos_ids = set(rt.get("eos_token_ids", []))
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        tp = int(rt.get("tp_size", 1))
+        if device_ids is not None and len(device_ids) != tp:
+            raise ValueError(f"parameter 'gpu_device_ids' names {len(device_ids)} GPUs, but {self.folder} was built "
+                             f"with tp_size {tp}")
         kv = tle.KvCacheConfig(enable_block_reuse=bool(rt.get("enable_kv_cache_reuse", True)),
                                free_gpu_memory_fraction=float(rt["kv_cache_free_gpu_mem_fraction"]))
         # The decoding mode (external draft tokens for the target) comes from the engine's own config.
@@ -87,6 +94,8 @@ class TrtllmEngine:
         cfg = tle.ExecutorConfig(max_beam_width=1, kv_cache_config=kv,
                                  enable_chunked_context=bool(rt.get("enable_chunked_context", True)),
                                  gather_generation_logits=bool(rt.get("gather_generation_logits", True)))
+        if device_ids is not None:
+            cfg.parallel_config = tle.ParallelConfig(device_ids=list(device_ids))
         engine_dir = (self.folder / rt.get("engine_dir", ".")).resolve()
         self.executor = tle.Executor(str(engine_dir), tle.ModelType.DECODER_ONLY, cfg)
         self._live: dict[str, int] = {}  # seq_id -> committed length, for callers that want it

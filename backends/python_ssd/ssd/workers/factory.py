@@ -26,7 +26,8 @@ def build_worker(role: str, params: dict[str, str], engine_dir: str | None):
         from ..engine.meta import trtllm_engine_dir
         from ..engine.trtllm_engine import TrtllmEngine
         from .trtllm_target import TrtllmTargetWorker
-        return TrtllmTargetWorker(TrtllmEngine(trtllm_engine_dir(engine_dir)))
+        ids = [int(x) for x in (params.get("gpu_device_ids") or "").split(",") if x.strip()]
+        return TrtllmTargetWorker(TrtllmEngine(trtllm_engine_dir(engine_dir), device_ids=ids or None))
     from ..engine.engine import TorchEngine
     kw = dict(dtype=params.get("dtype") or None, threads=int(params.get("threads") or 0) or None,
               exact=params.get("batch_invariant", "true").lower() == "true",
