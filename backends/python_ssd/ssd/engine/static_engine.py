@@ -90,7 +90,12 @@ class StaticStep:
 
     def run(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         for key, value in inputs.items():
-            self.buf[key].copy_(value, non_blocking=True)
+            if key == "mask":  # only the slots in use cross from the host; the rest is cleared in place
+                width = value.shape[-1]
+                self.buf[key][..., :width].copy_(value, non_blocking=True)
+                self.buf[key][..., width:].fill_(False)
+            else:
+                self.buf[key].copy_(value, non_blocking=True)
         if self.graph is not None:
             self.graph.replay()
             return self.out
@@ -167,12 +172,13 @@ class StaticEngine(TorchEngine):
         if exact or max(sizes) > self.max_step_rows or len(batch) > self.max_sequences:
             return super()._timed_forward(batch, exact)
         t0 = time.perf_counter()
-        b, r, length = bucket(len(batch)), bucket(max(sizes)), self.pool.static_len
+        b, r = bucket(len(batch)), bucket(max(sizes))
+        length = max(rb.start + n for rb, n in zip(batch, sizes))  # the mask's width: the slots in use
         spare = self.pool.spare
         tokens = torch.zeros(b, r, dtype=torch.long)
         positions = torch.zeros(b, r, dtype=torch.long)
         write_slot = torch.full((b, r), spare, dtype=torch.long)
-        write_pos = (torch.arange(b * r) % length).view(b, r)
+        write_pos = (torch.arange(b * r) % self.pool.static_len).view(b, r)
         slots = torch.full((b,), spare, dtype=torch.long)
         mask = torch.zeros(b, r, length, dtype=torch.bool)
         mask[:, :, 0] = True
