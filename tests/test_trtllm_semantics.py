@@ -40,13 +40,13 @@ def oracle(tokens: list[int]) -> int:
 
 
 def write_engine(root: Path, role: str, *, max_seq_len: int = 64, max_draft_len: int = 4,
-                 max_input_len: int | None = None) -> Path:
+                 max_input_len: int | None = None, tp_size: int = 1) -> Path:
     """An engine folder as tools/trtllm_build.py lays it out, with small limits (``max_input_len``:
     an engine built elsewhere with a larger one)."""
     from trtllm_build import plan_engine, settings
 
     s = settings({"tensorrt_llm": {"max_seq_len": max_seq_len, "max_draft_len": max_draft_len,
-                                   "max_num_tokens": max_seq_len}})
+                                   "max_num_tokens": max_seq_len, "tp_size": {role: tp_size}}})
     hf = root / "engines" / role
     hf.mkdir(parents=True, exist_ok=True)
     (hf / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": V}))
@@ -62,6 +62,7 @@ def install(monkeypatch: pytest.MonkeyPatch, target) -> list:
 
     module, made = tle.executor_module(target)
     pkg = types.ModuleType("tensorrt_llm")
+    pkg.__file__ = "/stand-in/site-packages/tensorrt_llm/__init__.py"
     pkg.bindings = types.ModuleType("tensorrt_llm.bindings")
     pkg.bindings.executor = module
     monkeypatch.setitem(sys.modules, "tensorrt_llm", pkg)
@@ -235,3 +236,8 @@ def test_tensor_parallel_gpus_must_match_the_build(tmp_path: Path, monkeypatch) 
     with pytest.raises(ValueError, match="gpu_device_ids.*tp_size 1"):
         build_worker("target", {"engine_backend": "tensorrt_llm", "gpu_device_ids": "0,1,2,3"},
                      str(tmp_path / "engines/target"))
+    write_engine(tmp_path, "target", tp_size=4)  # one process spawns a worker per GPU: no mpirun around Triton
+    build_worker("target", {"engine_backend": "tensorrt_llm", "gpu_device_ids": "0,1,2,3"}, str(tmp_path / "engines/target"))
+    pc = made[-1].config.parallel_config
+    assert pc.device_ids == [0, 1, 2, 3] and pc.communication_mode == "ORCHESTRATOR"
+    assert pc.orchestrator_config.worker_executable_path.endswith("bin/executorWorker")

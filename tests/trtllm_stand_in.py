@@ -23,7 +23,7 @@ below is read from TensorRT-LLM's own source (NVIDIA/TensorRT-LLM), named where 
   unless `ExecutorConfig.gather_generation_logits` is set ("To return generation logits,
   gather_generation_logits must be enabled in ExecutorConfig").
 - Names and keywords of the classes: `cpp/tensorrt_llm/nanobind/executor/request.cpp`,
-  `executorConfig.cpp`, `executor.cpp`.
+  `executorConfig.cpp` (ParallelConfig, OrchestratorConfig), `executor.cpp`.
 
 The model is a callable ``target(tokens) -> logits [vocab]``. Iterations run when a caller awaits
 an unanswered, unfinished request (every active request advances one step: in-flight batching),
@@ -61,11 +61,22 @@ class ExecutorConfig(_Kw):
                          gather_generation_logits=gather_generation_logits, parallel_config=parallel_config, **kw)
 
 
+CommunicationType = types.SimpleNamespace(MPI="MPI")
+CommunicationMode = types.SimpleNamespace(LEADER="LEADER", ORCHESTRATOR="ORCHESTRATOR")
+
+
+class OrchestratorConfig(_Kw):
+    def __init__(self, is_orchestrator: bool = True, worker_executable_path: str = "", orch_leader_comm=None,
+                 spawn_processes: bool = True):
+        super().__init__(is_orchestrator=is_orchestrator, worker_executable_path=worker_executable_path)
+
+
 class ParallelConfig(_Kw):
     def __init__(self, communication_type="MPI", communication_mode="LEADER", device_ids=None, participant_ids=None,
                  orchestrator_config=None, num_nodes=None):
         super().__init__(communication_type=communication_type, communication_mode=communication_mode,
-                         device_ids=device_ids, participant_ids=participant_ids)
+                         device_ids=device_ids, participant_ids=participant_ids,
+                         orchestrator_config=orchestrator_config)
 
 
 class SamplingConfig(_Kw):
@@ -277,7 +288,8 @@ def executor_module(target: Callable[[list[int]], torch.Tensor]) -> tuple[types.
         made.append(Executor(engine_dir, model_type, config, target=target))
         return made[-1]
 
-    for cls in (KvCacheConfig, ExecutorConfig, ParallelConfig, SamplingConfig, OutputConfig, ExternalDraftTokensConfig, Request):
+    m.CommunicationType, m.CommunicationMode = CommunicationType, CommunicationMode
+    for cls in (KvCacheConfig, ExecutorConfig, ParallelConfig, OrchestratorConfig, SamplingConfig, OutputConfig, ExternalDraftTokensConfig, Request):
         setattr(m, cls.__name__, cls)
     m.Executor = make_executor
     m.ModelType = types.SimpleNamespace(DECODER_ONLY="decoder_only")

@@ -56,9 +56,10 @@ def round_seed(seed: int, round_index: int, stream: int) -> int:
 
 class TrtllmEngine:
     def __init__(self, folder: str | os.PathLike, *, timeout_s: float = 120.0, device_ids: list[int] | None = None):
-        """``device_ids``: the GPUs of a tensor-parallel engine (one per rank, as many as the
-        engine's tp_size). TRT-LLM's default communication mode (LEADER over MPI) then expects
-        the process to run under `mpirun -n <tp_size>`, one rank per GPU."""
+        """``device_ids``: the GPUs of the engine, one per tensor-parallel rank (as many as the
+        engine's tp_size). With more than one, the executor runs in ORCHESTRATOR mode: this
+        process spawns one TRT-LLM worker per GPU over MPI (``executorWorker`` from the
+        tensorrt_llm package), so tritonserver itself runs as one ordinary process."""
         try:  # lazily: importing tensorrt_llm needs CUDA and its wheels, neither exists on CPU hosts
             import tensorrt_llm.bindings.executor as tle
         except ImportError as e:
@@ -94,7 +95,15 @@ class TrtllmEngine:
         cfg = tle.ExecutorConfig(max_beam_width=1, kv_cache_config=kv,
                                  enable_chunked_context=bool(rt.get("enable_chunked_context", True)),
                                  gather_generation_logits=bool(rt.get("gather_generation_logits", True)))
-        if device_ids is not None:
+        if device_ids is not None and tp > 1:
+            import tensorrt_llm
+
+            worker = Path(tensorrt_llm.__file__).parent / "bin" / "executorWorker"
+            cfg.parallel_config = tle.ParallelConfig(
+                communication_type=tle.CommunicationType.MPI, communication_mode=tle.CommunicationMode.ORCHESTRATOR,
+                device_ids=list(device_ids),
+                orchestrator_config=tle.OrchestratorConfig(is_orchestrator=True, worker_executable_path=str(worker)))
+        elif device_ids is not None:
             cfg.parallel_config = tle.ParallelConfig(device_ids=list(device_ids))
         engine_dir = (self.folder / rt.get("engine_dir", ".")).resolve()
         self.executor = tle.Executor(str(engine_dir), tle.ModelType.DECODER_ONLY, cfg)
