@@ -74,3 +74,23 @@ def test_bad_specs_name_the_field(change, field) -> None:
     change(s)
     with pytest.raises(deploy.SpecError, match=field):
         deploy.render(s)
+
+
+def test_kubernetes_replica_matches_the_gpu_spec() -> None:
+    k8s = REPO / "deploy/k8s"
+    docs = {d["kind"]: d for f in ("deployment.yaml", "service.yaml") for d in yaml.safe_load_all((k8s / f).read_text())}
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    gpus = {g for m in spec("gpu_paper_layout.yaml")["models"].values() for g in m.get("gpus", [])}
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == len(gpus) == 5  # one replica = one spec
+    assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert {p["targetPort"] for p in docs["Service"]["spec"]["ports"]} <= set(ports)
+    assert docs["Service"]["spec"]["selector"] == docs["Deployment"]["spec"]["selector"]["matchLabels"]
+    dockerfile = (k8s / "Dockerfile").read_text()
+    assert "FROM nvcr.io/nvidia/tritonserver:${TRITON_TAG}-trtllm-python-py3" in dockerfile
+    assert "ARG SPEC=deploy/gpu_paper_layout.yaml" in dockerfile and "tools/deploy.py" in dockerfile
+    for line in dockerfile.splitlines():  # every path the image copies exists
+        if line.startswith("COPY "):
+            for src in line.split()[1:-1]:
+                assert list(REPO.glob(src.rstrip("/"))), src
