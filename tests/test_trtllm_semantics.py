@@ -206,6 +206,20 @@ def test_length_limits_are_checked_before_enqueue(tmp_path: Path, monkeypatch) -
     assert made[0].warnings == []
 
 
+def test_a_call_over_the_limits_fails_alone(tmp_path: Path, monkeypatch) -> None:
+    made = install(monkeypatch, greedy_target)
+    from ssd.engine.trtllm_engine import TrtllmEngine
+    from ssd.workers.protocol import CallError, VerifyCall
+    from ssd.workers.trtllm_target import TrtllmTargetWorker
+
+    worker = TrtllmTargetWorker(TrtllmEngine(write_engine(tmp_path, "target", max_seq_len=20)))
+    prefix = [3, 1, 4]
+    res = worker.verify([VerifyCall("long", list(range(15)), [1, 2, 3, 4]), VerifyCall("ok", prefix, [oracle(prefix)])])
+    assert isinstance(res[0], CallError) and "max_input_len" in str(res[0])
+    assert (res[1].accepted, res[1].token) == (1, oracle(prefix + [oracle(prefix)])) and res[1].timing
+    assert made[0].batches == [1]  # only the call that fits was enqueued
+
+
 def test_executor_gathers_generation_logits(tmp_path: Path, monkeypatch) -> None:
     made = install(monkeypatch, greedy_target)
     from ssd.engine.trtllm_engine import TrtllmEngine

@@ -146,6 +146,14 @@ class TrtllmEngine:
             raise ValueError(f"prefix of {prompt} tokens + {max_tokens} new + {per_step} draft tokens per step exceeds "
                              f"the engine's max_seq_len {self.max_seq_len}")
 
+    def check_verify(self, prefix: int, draft: int) -> None:
+        """A verify of ``draft`` tokens after ``prefix`` fits the engine, or a ValueError says why."""
+        if prefix < 1:
+            raise ValueError("tokens must not be empty")
+        if draft > self.max_draft_len:
+            raise ValueError(f"draft of {draft} tokens exceeds the engine's max_draft_len {self.max_draft_len}")
+        self.check_lengths(prefix, draft, draft + 1)
+
     def _drain_cancelled(self) -> None:
         """Collects the final responses of cancelled verify requests (no wait)."""
         if not self._cancelled:
@@ -203,12 +211,7 @@ class TrtllmEngine:
         self._drain_cancelled()
         requests = []
         for it in items:
-            if not it.tokens:
-                raise ValueError("tokens must not be empty")
-            if len(it.draft) > self.max_draft_len:
-                raise ValueError(f"draft of {len(it.draft)} tokens exceeds the engine's max_draft_len "
-                                 f"{self.max_draft_len}")
-            self.check_lengths(len(it.tokens), len(it.draft), len(it.draft) + 1)
+            self.check_verify(len(it.tokens), len(it.draft))
         for it in items:
             ext = None
             if it.draft:
