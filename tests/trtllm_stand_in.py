@@ -233,7 +233,8 @@ class Executor:
         for i, d in enumerate(r.drafts):
             p = self._p(seq, sc)
             if q is not None:  # reject when p(d)/q(d) < u; then sample max(0, p - q)
-                u = float(torch.rand((), generator=r.gen))
+                u = ext.acceptance_threshold  # a constant threshold when given, else uniform per draft
+                u = float(torch.rand((), generator=r.gen)) if u is None else float(u)
                 if float(p[d]) / max(float(q[i, d]), 1e-30) < u:
                     res = (p - q[i]).clamp_min(0)
                     return new + [self._draw(res / res.sum(), r.gen)]
