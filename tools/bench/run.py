@@ -90,6 +90,8 @@ PRESETS = {
     "quick": Preset("humaneval,gsm8k", 1, 24, "humaneval", ("sd", "ssd"), "humaneval", SWEEPS_QUICK, "humaneval", "2",
                     "humaneval"),
     "full": Preset(ALL3, 2, 64, ALL3, ("sd", "ssd"), "humaneval,gsm8k", SWEEPS_FULL, ALL3, "2", ALL3),
+    # ours against the peers only: the greedy tables on one HumanEval and one GSM8K prompt, no sweeps
+    "peers": Preset("humaneval,gsm8k", 1, 64, "", (), "", {}, "", "2", "humaneval,gsm8k"),
 }
 # the warm-up's lengths: first-call allocations, and the policy's first records of SD and the SSD
 # backups (AR's and SD's first calls allocate in 8 tokens, and requests that pin a mode ask the
