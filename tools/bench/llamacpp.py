@@ -8,7 +8,8 @@ to the cores our served default uses:
         GGUF, ``n_draft`` drafts a round with no probability cut-off, ``threads`` + ``threads``)
 Every request sends the token ids our server decodes (the same chat template) to ``/completion``,
 greedy (top-k 1), without prompt caching; decode tokens/s is llama.cpp's own
-``timings.predicted_per_second`` (the prefill is timed apart, in ``prompt_ms``).
+``timings.predicted_per_second``: the tokens after the first (which the prefill's logits give) over
+the time after the prefill (timed apart, in ``prompt_ms``).
 """
 from __future__ import annotations
 
@@ -131,18 +132,19 @@ class LlamaServer:
         return d
 
 
-def peer_row(resp: dict, n_draft: int | None) -> dict:
+def peer_row(resp: dict) -> dict:
     """A bench row from one ``/completion`` response. llama.cpp reports the drafted and accepted
-    tokens but not its rounds: with every round drafting ``n_draft`` (p-min 0), rounds = drafted /
-    n_draft and a round yields its accepted drafts plus one target token."""
+    tokens but not its rounds; each round yields its accepted drafts plus one target token, so the
+    rounds after the first token are (tokens after it) - (accepted drafts)."""
     t = resp["timings"]
     drafted, accepted = t.get("draft_n"), t.get("draft_n_accepted")
     row = {"ids": list(resp["tokens"]), "new_tokens": t["predicted_n"], "decode_tokens_per_s": t["predicted_per_second"],
            "prefill_s": t["prompt_ms"] / 1000, "latency_s": resp.get("latency_s"), "prompt_tokens": t["prompt_n"],
            "draft_n": drafted, "draft_n_accepted": accepted, "acceptance_length": None, "draft_acceptance": None}
-    if n_draft and drafted:
+    if drafted:
+        after_first = t["predicted_n"] - 1
         row["draft_acceptance"] = accepted / drafted
-        row["acceptance_length"] = 1 + n_draft * accepted / drafted
+        row["acceptance_length"] = after_first / (after_first - accepted)
     return row
 
 
@@ -155,7 +157,7 @@ def run_peer(binary: Path, cfg: PeerConfig, prompts: list[dict], max_tokens: int
         for p in prompts:
             row = {"dataset": p["dataset"], "prompt": p["index"], "mode": cfg.mode,
                    "k": cfg.n_draft if cfg.draft else 0, "threads": cfg.threads,
-                   **peer_row(srv.complete(p["ids"], max_tokens), cfg.n_draft if cfg.draft else None)}
+                   **peer_row(srv.complete(p["ids"], max_tokens))}
             rows.append(row)
             if on_row:
                 on_row(row)
