@@ -17,6 +17,7 @@ ssd_over_sd_predicted_vs_measured.png, c_sweep.png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -90,8 +91,8 @@ PRESETS = {
     "quick": Preset("humaneval,gsm8k", 1, 24, "humaneval", ("sd", "ssd"), "humaneval", SWEEPS_QUICK, "humaneval", "2",
                     "humaneval"),
     "full": Preset(ALL3, 2, 64, ALL3, ("sd", "ssd"), "humaneval,gsm8k", SWEEPS_FULL, ALL3, "2", ALL3),
-    # ours against the peers only: the greedy tables on one HumanEval and one GSM8K prompt, no sweeps
-    "peers": Preset("humaneval,gsm8k", 1, 64, "", (), "", {}, "", "2", "humaneval,gsm8k"),
+    # ours against the peers only: the greedy tables on one HumanEval prompt, no sweeps
+    "peers": Preset("humaneval", 1, 64, "", (), "", {}, "", "2", "humaneval"),
 }
 # the warm-up's lengths: first-call allocations, and the policy's first records of SD and the SSD
 # backups (AR's and SD's first calls allocate in 8 tokens, and requests that pin a mode ask the
@@ -324,8 +325,11 @@ def main() -> None:
     ap.add_argument("--config", type=Path, default=REPO / "engines/default.yaml")
     ap.add_argument("--engine-root", type=Path, default=REPO / "engines")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "bench")
+    ap.add_argument("--max-tokens", type=int, help="new tokens a request (default: the preset's)")
     a = ap.parse_args()
     pr = PRESETS[a.preset]
+    if a.max_tokens:
+        pr = dataclasses.replace(pr, max_tokens=a.max_tokens)
     set_server_defaults(a, pr.max_tokens)
     a.out.mkdir(parents=True, exist_ok=True)
     roles = engines_by_role(a.config)
