@@ -6,8 +6,12 @@ The first test builds llama-server (build/llama.cpp-<version>/, a few minutes on
 cached build with the same options is there."""
 from __future__ import annotations
 
+import csv
+import json
+import os
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -89,6 +93,29 @@ def test_speculative_decoding_keeps_greedy_ar_tokens(binary, ggufs, tmp_path, dr
         assert min(acceptance) > 0.9
     else:
         assert max(acceptance) < 0.5
+
+
+def test_load_peer_serves_locust_users_from_parallel_slots(binary, ggufs, tmp_path):
+    """The load peer: the loadtest's closed-loop users (its prompts, summary and -i limit) against
+    llama-server's chat endpoint, two users on two slots."""
+    prefix, summary = tmp_path / "load", tmp_path / "summary.json"
+    exe = Path(sys.executable).parent / "locust"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "locust"]
+    cfg = llamacpp.PeerConfig(ggufs["target"], threads=1, cores="0", parallel=2, ctx_per_slot=1024)
+    with llamacpp.LlamaServer(binary, cfg) as srv:
+        cmd += ["-f", str(REPO / "tools" / "llamacpp" / "llama_locustfile.py"), "--headless", "-u", "2", "-r", "2",
+                "-i", "6", "--run-time", "120s", "--host", srv.url, "--csv", str(prefix), "--only-summary"]
+        env = dict(os.environ, SSD_MAX_TOKENS="8", SSD_DATASETS="humaneval", SSD_PROMPTS_PER_DATASET="3",
+                   SSD_SUMMARY=str(summary))
+        p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        with urllib.request.urlopen(f"{srv.url}/slots") as r:
+            assert len(json.loads(r.read())) == 2
+    with open(f"{prefix}_stats.csv") as f:
+        rows = {r["Name"]: r for r in csv.DictReader(f)}
+    assert int(rows["chat"]["Request Count"]) == 6 and int(rows["Aggregated"]["Failure Count"]) == 0, rows
+    s = json.loads(summary.read_text())
+    assert s["failures"] == 0 and s["requests"] == 6 and 6 <= s["tokens"] <= 6 * 8 and s["output_tokens_per_s"] > 0
 
 
 def test_peer_row_counts_rounds_from_the_accepted_tokens():

@@ -176,3 +176,36 @@ def bench_phase(config: Path, engine_root: Path, prompts: list[dict], max_tokens
         print(f"[bench] llama.cpp {cfg.mode}: {' '.join(command(binary, cfg, 0))}", flush=True)
         rows += run_peer(binary, cfg, prompts, max_tokens, warm_ids, on_row, out / f"llama_server_{cfg.mode}.log")
     return rows
+
+
+def main() -> None:
+    import argparse
+    import signal
+
+    ap = argparse.ArgumentParser(description="serve: one llama-server on the default pair (the load peer)")
+    ap.add_argument("command", choices=["serve"])
+    ap.add_argument("--config", type=Path, default=REPO / "engines/default.yaml")
+    ap.add_argument("--engine-root", type=Path, default=REPO / "engines")
+    ap.add_argument("--model", type=Path, help="a GGUF file (default: the config's target)")
+    ap.add_argument("--spec", action="store_true", help="with speculative decoding on the config's drafter")
+    ap.add_argument("--parallel", type=int, default=1, help="slots: requests decoded together")
+    ap.add_argument("--cores", default="0,1")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--port", type=int, default=8090)
+    a = ap.parse_args()
+    ggufs = gguf_by_role(a.config, a.engine_root)
+    cfg = PeerConfig(a.model or ggufs["target"], draft=ggufs["drafter"] if a.spec else None, cores=a.cores,
+                     threads=a.threads, draft_threads=a.threads, parallel=a.parallel)
+    srv = LlamaServer(build(), cfg)
+    srv.port, srv.url = a.port, f"http://127.0.0.1:{a.port}"
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a KeyboardInterrupt: the server stops too
+    with srv:
+        print(f"llama-server ({cfg.mode}, {a.parallel} slots) ready at {srv.url}", flush=True)
+        try:
+            srv.proc.wait()
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    main()
