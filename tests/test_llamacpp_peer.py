@@ -1,6 +1,7 @@
 """The llama.cpp peer (tools/bench/llamacpp.py): llama-server built from the pinned sdist's llama.cpp,
 run on a tiny random GGUF written here, greedy, alone and with its speculative decoding; the rows the
-bench takes from its responses; and the report's ours-over-llama.cpp ratios.
+bench takes from its responses; the load peer (parallel slots under the loadtest's Locust users);
+and the report's ours-over-llama.cpp ratios.
 
 The first test builds llama-server (build/llama.cpp-<version>/, a few minutes on 2 cores) unless a
 cached build with the same options is there."""
