@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test venv engines bench bench-quick loadtest aiperf clean
+.PHONY: serve test venv engines bench bench-quick loadtest aiperf clean llama-server
 
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ bench-quick: engines
 
 bench: engines
 	$(PY) tools/bench/run.py --preset full
+
+# llama.cpp's llama-server (the bench's llama.cpp peer), built from the pinned llama-cpp-python sdist
+# into build/llama.cpp-<version>/ (tools/llamacpp/build_llama_server.sh); bench runs build it if missing.
+llama-server: $(STAMP)
+	PYTHON=$(PY) bash tools/llamacpp/build_llama_server.sh
 
 clean:
 	rm -rf build results

@@ -113,7 +113,7 @@ EOF
 
 TORCH_ARGS=(--config "$CONFIG" --out "$OUT")
 [[ -n "$DTYPE" ]] && TORCH_ARGS+=(--dtype "$DTYPE")
-TRT_ARGS=(--config "$CONFIG" --engines-root "$OUT" --out-root "$OUT/trtllm" --python "$TRTLLM_PYTHON")
+TRT_ARGS=(--config "$CONFIG" --engines-root "$OUT" --python "$TRTLLM_PYTHON")  # engines go to $OUT/trtllm/<name>
 
 if [[ $DRY_RUN -eq 1 ]]; then
   run_step "torch plan (dry run)" torch_plan

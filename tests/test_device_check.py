@@ -33,3 +33,7 @@ def test_device_check_on_cpu(tmp_path):
     assert self_sd["acceptance_length"] > 3
     assert set(r["gemm_rows"]) == {"qkv", "o", "gate_up", "down", "lm_head"}
     assert [t["batch"] for t in r["timings"]] == [1, 2] and all(t["target_5row_tiled_ms"] > 0 for t in r["timings"])
+    graphs = r["drafter_graphs"]  # the static drafter ran (eagerly here: graphs are captured on cuda only)
+    assert [t["batch"] for t in graphs] == [1, 2] and not any(t["cuda_graphs"] for t in graphs)
+    assert all(t["drafter_graph_1row_ms"] > 0 and t["drafter_graph_8row_ms"] > 0 and t["drafter_over_target"] > 0
+               for t in graphs)

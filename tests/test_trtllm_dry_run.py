@@ -119,7 +119,7 @@ def test_engine_module_imports_without_tensorrt_llm() -> None:
         TrtllmEngine(ROOT / "engines/trtllm" / TARGETS[0])
 
 
-# -- the engine against a stand-in for tensorrt_llm.bindings.executor --------------------------------
+# -- the engine against tests/trtllm_stand_in.py (TensorRT-LLM 1.2's executor semantics) -----------
 V = 50
 
 
@@ -127,62 +127,15 @@ def oracle(seq: list[int]) -> int:  # the stand-in target's greedy next token
     return (sum(seq) * 7 + len(seq)) % V
 
 
-def fake_executor_module(log: dict) -> types.ModuleType:
-    m = types.ModuleType("tensorrt_llm.bindings.executor")
-
-    class Obj:
-        def __init__(self, *args, **kw):
-            self.__dict__.update(kw)
-
-    for n in ("KvCacheConfig", "ExecutorConfig", "SamplingConfig", "OutputConfig"):
-        setattr(m, n, type(n, (Obj,), {}))
-    m.ModelType = types.SimpleNamespace(DECODER_ONLY="decoder_only")
-
-    class ExternalDraftTokensConfig(Obj):
-        def __init__(self, tokens, logits=None, acceptance_threshold=None, fast_logits=None):
-            self.tokens, self.logits = tokens, logits
-
-    class Request(Obj):
-        pass
-
-    class Executor:
-        def __init__(self, path, model_type, config):
-            log["config"], self.results = config, {}
-
-        def enqueue_requests(self, requests):
-            log.setdefault("batches", []).append(len(requests))
-            ids = []
-            for req in requests:
-                seq, new = list(req.input_token_ids), []
-                ext = getattr(req, "external_draft_tokens_config", None)
-                draft = ext.tokens if ext else []
-                log.setdefault("draft_logits", []).append(ext.logits if ext else None)
-                for d in draft:  # greedy token matching, then one target token
-                    t = oracle(seq)
-                    if t != d:
-                        break
-                    new.append(d)
-                    seq.append(d)
-                new.append(oracle(seq))
-                if not ext:  # a plain (drafter) request: max_tokens steps
-                    while len(new) < req.max_tokens:
-                        new.append(oracle(list(req.input_token_ids) + new))
-                logits = torch.randn(1, len(new), V) if req.output_config.return_generation_logits else None
-                rid = len(self.results) + 1
-                self.results[rid] = types.SimpleNamespace(is_final=True, output_token_ids=[new],
-                                                          generation_logits=logits)
-                ids.append(rid)
-            return ids
-
-        def await_responses(self, ids, timeout=None):
-            return [[types.SimpleNamespace(has_error=lambda: False, error_msg="", result=self.results[i])]
-                    for i in ids]
-
-    m.ExternalDraftTokensConfig, m.Request, m.Executor = ExternalDraftTokensConfig, Request, Executor
-    return m
+def oracle_logits(seq: list[int]) -> torch.Tensor:
+    out = torch.zeros(V)
+    out[oracle(seq)] = 5.0
+    return out
 
 
 def test_engine_plumbing_with_stand_in_executor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sys.path.insert(0, str(ROOT / "tests"))
+    import trtllm_stand_in
     from trtllm_build import plan_engine, settings
 
     from ssd.algorithm.sampling import SamplingParams
@@ -199,8 +152,7 @@ def test_engine_plumbing_with_stand_in_executor(tmp_path: Path, monkeypatch: pyt
     for p in plans.values():
         p.engine_dir.mkdir(parents=True)
         (p.engine_dir / "runtime.json").write_text(json.dumps(p.files[str(p.engine_dir / "runtime.json")]))
-    log: dict = {}
-    fake = fake_executor_module(log)
+    fake, made = trtllm_stand_in.executor_module(oracle_logits)
     pkg = types.ModuleType("tensorrt_llm")
     pkg.bindings = types.ModuleType("tensorrt_llm.bindings")
     pkg.bindings.executor = fake
@@ -209,7 +161,8 @@ def test_engine_plumbing_with_stand_in_executor(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setitem(sys.modules, "tensorrt_llm.bindings.executor", fake)
 
     worker = TrtllmTargetWorker(TrtllmEngine(plans["target"].engine_dir))
-    assert log["config"].kv_cache_config.enable_block_reuse is True
+    ex = made[0]
+    assert ex.config.kv_cache_config.enable_block_reuse is True
     prefix = [3, 1, 4]
     good = [oracle(prefix)]
     good.append(oracle(prefix + good))
@@ -218,13 +171,13 @@ def test_engine_plumbing_with_stand_in_executor(tmp_path: Path, monkeypatch: pyt
     calls = [VerifyCall("a", prefix, good), VerifyCall("b", prefix, bad), VerifyCall("c", prefix, []),
              VerifyCall("d", prefix, bad, SamplingParams(temperature=0.8), draft_probs=q)]
     res = worker.verify(calls)
-    assert log["batches"] == [4]  # enqueued together, answered together
+    assert ex.batches == [4]  # enqueued together, answered together
     assert (res[0].accepted, res[0].token) == (2, oracle(prefix + good))
     assert (res[1].accepted, res[1].token) == (0, oracle(prefix))
     assert (res[2].accepted, res[2].token) == (0, oracle(prefix))
-    sent = log["draft_logits"][3]  # q' travels as logits whose softmax is q' again
+    sent = ex.requests[4].external_draft_tokens_config.logits  # q' travels as logits whose softmax is q' again
     assert sent.shape == (2, 64) and torch.allclose(torch.softmax(sent, -1)[:, :V], q, atol=1e-5)
-    assert log["draft_logits"][0] is None  # greedy: token matching, no logits
+    assert ex.requests[1].external_draft_tokens_config.logits is None  # greedy: token matching, no logits
 
     drafter = TrtllmEngine(plans["drafter"].engine_dir)
     toks, probs = drafter.draft("a", prefix, 3, SamplingParams(temperature=1.0))

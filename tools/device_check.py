@@ -12,6 +12,8 @@ enough for what this measures:
    as its own drafter (nearly every draft accepted), alone and with 4 concurrent sequences.
 3. Step timings: target forwards of b sequences x r rows (r = 1: an AR step, r = K+1: a verify),
    in batch-invariant tiles and as one GEMM; drafter steps; decode tok/s of each mode at batch 1.
+4. The GPU drafter (engine/static_engine.py: static KV cache, CUDA graphs on cuda): its decode
+   step and a 2K-row step against the target's one-row step (the goal on a GPU: under 0.3).
 Runs on the CPU as well (``--device cpu`` with small configs), which is how the tests keep it working.
 """
 from __future__ import annotations
@@ -38,6 +40,7 @@ from ssd.decoding.generator import DecodeConfig, Generation, SharedState  # noqa
 from ssd.decoding.local_client import LocalClient  # noqa: E402
 from ssd.engine.engine import ExtendCall, TorchEngine  # noqa: E402
 from ssd.engine.model import ModelConfig  # noqa: E402
+from ssd.engine.static_engine import StaticEngine  # noqa: E402
 from ssd.workers.drafter import DrafterWorker  # noqa: E402
 from ssd.workers.fast_backup import NgramWorker  # noqa: E402
 from ssd.workers.target import TargetWorker  # noqa: E402
@@ -199,6 +202,23 @@ def timings(target, drafter, k: int, batches: list[int]) -> list[dict]:
     return rows
 
 
+def drafter_graph_timings(drafter_dir: Path, target, device: str, k: int, batches: list[int],
+                          context: int = 128) -> list[dict]:
+    """The drafter on the static engine (CUDA graphs on cuda) against the target's one-row step."""
+    drafter = StaticEngine(drafter_dir, device=device, exact=False, max_sequences=max(batches),
+                           static_len=context + 2 * k + 64)
+    rows = []
+    for b in batches:
+        row = {"batch": b, "cuda_graphs": drafter.use_graphs,
+               "drafter_graph_1row_ms": step_ms(drafter, b, 1, exact=False),
+               f"drafter_graph_{2 * k}row_ms": step_ms(drafter, b, 2 * k, exact=False),
+               "target_1row_onegemm_ms": step_ms(target, b, 1, exact=False)}
+        row["drafter_over_target"] = row["drafter_graph_1row_ms"] / row["target_1row_onegemm_ms"]
+        rows.append({key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()})
+        log(f"GPU drafter batch {b}: " + ", ".join(f"{key} {v}" for key, v in rows[-1].items() if key != "batch"))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -230,7 +250,9 @@ def main() -> None:
         prompts = [torch.randint(0, target.vocab_size, (16 + 8 * i,), generator=g).tolist() for i in range(a.prompts)]
         report["exactness"] = exactness(target, drafters, prompts, a.tokens, a.k)
         report["all_exact"] = all(r["equal_to_ar"] == r["prompts"] for r in report["exactness"])
-        report["timings"] = timings(target, drafters["random"], a.k, [int(b) for b in a.batches.split(",")])
+        batches = [int(b) for b in a.batches.split(",")]
+        report["timings"] = timings(target, drafters["random"], a.k, batches)
+        report["drafter_graphs"] = drafter_graph_timings(ddir, target, a.device, a.k, batches)
     a.out.write_text(json.dumps(report, indent=1))
     log(f"all exact: {report['all_exact']}; report in {a.out}")
 

@@ -25,9 +25,13 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "python_ssd"))
+from ssd.engine.meta import trtllm_engine_dir  # noqa: E402  (torch-free: the runtime reads the same path)
+
 DEFAULTS = {"version": "1.2", "examples_dir": "/workspace/TensorRT-LLM/examples", "max_draft_len": 4,
             "max_batch_size": 8, "max_seq_len": 4096, "max_input_len": None, "max_num_tokens": 4096,
-            "enable_chunked_context": True, "kv_cache_free_gpu_mem_fraction": {"target": 0.5, "drafter": 0.3}}
+            "enable_chunked_context": True, "kv_cache_free_gpu_mem_fraction": {"target": 0.5, "drafter": 0.3},
+            "tp_size": {"target": 1, "drafter": 1}}
 # HF model_type -> (examples/models/core/<dir>, architectures entry for the compat config.json)
 FAMILIES = {"qwen2": ("qwen", "Qwen2ForCausalLM"), "llama": ("llama", "LlamaForCausalLM"),
             "mistral": ("llama", "MistralForCausalLM")}
@@ -90,8 +94,10 @@ def compat_config(hf: dict, model_type: str, dtype: str) -> dict:
     return out
 
 
-def plan_engine(name: str, spec: dict, s: dict, engines_root: Path, out_root: Path, python: str) -> EnginePlan:
+def plan_engine(name: str, spec: dict, s: dict, engines_root: Path, out_root: Path | None, python: str) -> EnginePlan:
+    """``out_root`` None: the engine goes where the runtime looks for it (meta.trtllm_engine_dir)."""
     hf_dir = engines_root / name
+    engine_dir = out_root / name if out_root else trtllm_engine_dir(hf_dir)
     hf_cfg_path = hf_dir / "config.json"
     hf_present = hf_cfg_path.exists() and (hf_dir / "model.safetensors").exists()
     hf = json.loads(hf_cfg_path.read_text()) if hf_cfg_path.exists() else {}
@@ -107,12 +113,14 @@ def plan_engine(name: str, spec: dict, s: dict, engines_root: Path, out_root: Pa
     family = FAMILIES.get(model_type, ("<family>", ""))[0]
     role = spec["role"]
     k = int(s["max_draft_len"])
-    build_root = out_root / ".build" / name
+    build_root = engine_dir.parent / ".build" / name
     p = EnginePlan(name, role, model_type, source, hf_dir, hf_present, build_root / "hf",
-                   build_root / "checkpoint", out_root / name)
+                   build_root / "checkpoint", engine_dir)
     script = Path(s["examples_dir"]) / "models" / "core" / family / "convert_checkpoint.py"
+    tps = s["tp_size"]
+    tp = int(tps.get(role, 1) if isinstance(tps, dict) else tps)  # tensor parallelism: GPUs per engine
     p.commands.append([python, str(script), "--model_dir", str(p.stage_dir), "--output_dir", str(p.ckpt_dir),
-                       "--dtype", "bfloat16", "--tp_size", "1", "--pp_size", "1"])
+                       "--dtype", "bfloat16", "--tp_size", str(tp), "--pp_size", "1"])
     build = ["trtllm-build", "--checkpoint_dir", str(p.ckpt_dir), "--output_dir", str(p.engine_dir),
              "--gemm_plugin", "auto", "--kv_cache_type", "paged", "--use_paged_context_fmha", "enable",
              "--max_batch_size", str(s["max_batch_size"]), "--max_input_len", str(s["max_input_len"]),
@@ -131,7 +139,7 @@ def plan_engine(name: str, spec: dict, s: dict, engines_root: Path, out_root: Pa
         "format": 1, "name": name, "role": role, "engine_dir": ".",
         "tokenizer_dir": os.path.relpath(hf_dir, p.engine_dir), "trtllm_version": str(s["version"]),
         "speculative_decoding_mode": "draft_tokens_external" if role == "target" else None,
-        "max_draft_len": k, "kv_cache_free_gpu_mem_fraction": frac, "enable_kv_cache_reuse": True,
+        "max_draft_len": k, "tp_size": tp, "kv_cache_free_gpu_mem_fraction": frac, "enable_kv_cache_reuse": True,
         "enable_chunked_context": bool(s["enable_chunked_context"]), "gather_generation_logits": True,
         "max_batch_size": int(s["max_batch_size"]), "max_input_len": int(s["max_input_len"]),
         "max_seq_len": int(s["max_seq_len"]), "max_num_tokens": int(s["max_num_tokens"]),
@@ -140,7 +148,7 @@ def plan_engine(name: str, spec: dict, s: dict, engines_root: Path, out_root: Pa
     return p
 
 
-def make_plans(config: Path, engines_root: Path, out_root: Path, python: str) -> tuple[dict, list[EnginePlan]]:
+def make_plans(config: Path, engines_root: Path, out_root: Path | None, python: str) -> tuple[dict, list[EnginePlan]]:
     cfg = yaml.safe_load(config.read_text())
     s = settings(cfg)
     return s, [plan_engine(n, spec, s, engines_root, out_root, python) for n, spec in cfg["engines"].items()]
@@ -232,7 +240,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=Path("engines/default.yaml"))
     ap.add_argument("--engines-root", type=Path, default=Path("engines"), help="where the HF-format folders are")
-    ap.add_argument("--out-root", type=Path, default=Path("engines/trtllm"))
+    ap.add_argument("--out-root", type=Path, default=None,
+                    help="default: <engines-root>/trtllm, where the served target model looks")
     ap.add_argument("--python", default=sys.executable, help="interpreter with tensorrt_llm for convert_checkpoint")
     ap.add_argument("--dry-run", action="store_true", help="print commands and rendered files, run nothing")
     ap.add_argument("--print-json", action="store_true", help="print the plan as JSON on stdout")

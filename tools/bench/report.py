@@ -12,7 +12,11 @@ CONFIGS = [
     ("SSD K=4 B=12, 1+1 cores", "split", "ssd"), ("AR, 2 threads", "shared2", "ar"),
     ("SD K=4, 2 threads", "shared2", "sd"), ("peer K=2, 2 threads", "peer", 2), ("peer K=4, 2 threads", "peer", 4),
     ("in-process AR", "inproc", "ar"), ("in-process SD", "inproc", "sd"), ("in-process SSD", "inproc", "ssd"),
+    ("llama.cpp AR, 2 threads", "llamacpp", "ar"), ("llama.cpp spec K=4, 2+2 threads", "llamacpp", "spec"),
 ]
+# ours against llama.cpp's llama-server (tools/bench/llamacpp.py)
+OURS = [c for c in CONFIGS if c[1] in ("split", "shared2")]
+LLAMACPP = [c for c in CONFIGS if c[1] == "llamacpp"]
 
 
 def mean(xs) -> float:
@@ -80,6 +84,8 @@ def correctness(raw: dict) -> str:
     lines = ["| configuration | same tokens as AR | first divergence (dataset #prompt @ token) |", "|---|---|---|"]
     checks = [(label, source, key, ref) for label, source, key in CONFIGS if not (source == "split" and key == "ar")]
     checks.append(("SD K=4, 2 threads vs AR, 2 threads", "shared2", "sd", ref2))
+    ref_llama = {(r["dataset"], r["prompt"]): r["ids"] for r in greedy_rows(raw, "llamacpp", "ar")}
+    checks.append(("llama.cpp spec vs llama.cpp AR", "llamacpp", "spec", ref_llama))
     for label, source, key, against in checks:
         rows = [r for r in greedy_rows(raw, source, key) if (r["dataset"], r["prompt"]) in against]
         if rows:
@@ -285,6 +291,21 @@ def _lowest(xs) -> float:
     return min(xs) if xs else float("nan")
 
 
+def against_llamacpp(raw: dict) -> str:
+    """Each of our configurations' decode tok/s over llama.cpp's, on the prompts both ran."""
+    theirs = [(label, greedy_rows(raw, src, key)) for label, src, key in LLAMACPP]
+    theirs = [(label, rows) for label, rows in theirs if rows]
+    if not theirs:
+        return "(llama.cpp did not run)"
+    lines = ["| ours, over: | " + " | ".join(label for label, _ in theirs) + " |",
+             "|---|" + "---|" * len(theirs)]
+    for label, src, key in OURS:
+        ours = greedy_rows(raw, src, key)
+        if ours:
+            lines.append(f"| {label} | " + " | ".join(f"{_fmt(paired_ratio(ours, rows))}x" for _, rows in theirs) + " |")
+    return "\n".join(lines)
+
+
 def targets(raw: dict) -> str:
     ssd, sd, ar = (greedy_rows(raw, "split", m) for m in ("ssd", "sd", "ar"))
     sd2, peers = greedy_rows(raw, "shared2", "sd"), [greedy_rows(raw, "peer", k) for k in (2, 4)]
@@ -292,6 +313,11 @@ def targets(raw: dict) -> str:
             ("SSD / AR, paper protocol", paired_ratio(ssd, ar), 1.8),
             ("SSD (1+1) / best of SD 2 threads and peer", _lowest(paired_ratio(ssd, r) for r in [sd2, *peers]), 1.15),
             ("our SD 2 threads / peer 2 threads", _lowest(paired_ratio(sd2, p) for p in peers), 1.0)]
+    llama_ar, llama_spec = greedy_rows(raw, "llamacpp", "ar"), greedy_rows(raw, "llamacpp", "spec")
+    ar2 = greedy_rows(raw, "shared2", "ar")
+    rows += [("our AR 2 threads / llama.cpp AR 2 threads", paired_ratio(ar2, llama_ar), 0.95),
+             ("SSD / llama.cpp AR", paired_ratio(ssd, llama_ar), 1.5),
+             ("SSD / llama.cpp speculative decoding", paired_ratio(ssd, llama_spec), 2.0)]
     for mode, label in (("ar", "AR"), ("sd", "SD"), ("ssd", "SSD")):
         rows.append((f"served / in-process {label} (serving overhead <= 10%)", serving_ratio(raw, mode), 0.9))
     mem = raw.get("meta", {}).get("peak_rss_gb", {})
@@ -325,13 +351,17 @@ def write(raw: dict, out: Path) -> str:
               "\n## Time outside the target's forward, per verify call\n", outside_forward(raw)]
     for ds in meta["datasets"]:
         parts += [f"\n## {ds} (greedy)\n", table(raw, ds)]
+    parts += ["\n## Against llama.cpp's llama-server (ours / theirs, decode tok/s, same prompts and GGUF files)\n",
+              against_llamacpp(raw)]
     parts += ["\n## Temperature 0.7 (served, 1+1 cores)\n", sampled_table(raw)]
     parts += ["\n## Correctness pass (greedy, token ids vs served AR)\n", correctness(raw),
               "\nOur configurations run the batch-invariant target (a row's logits do not depend on the mode "
               "or the batch), so at one thread count they are expected to agree token for token. At 2 threads "
               "oneDNN splits each GEMM's work differently, which changes the last bits of some logits, so AR at 2 "
               "threads may leave AR at 1 thread at a near-tied argmax (SD at 2 threads is checked against AR at 2 "
-              "threads); the peer runs transformers' kernels, whose bf16 rounding can flip such a token too."]
+              "threads); the peer runs transformers' kernels, whose bf16 rounding can flip such a token too. "
+              "llama.cpp computes on the quantized GGUF weights with its own kernels, so its tokens may leave ours "
+              "at any near tie; its speculative decoding is checked against its own AR."]
     sw, chosen = sweeps(raw)
     if sw:
         parts += ["\n## Sweeps (served, 1+1 cores)\n", sw, "\n**Chosen per sweep:** " +

@@ -8,6 +8,8 @@ Phases (each prints progress and an ETA):
   inproc    the same engines without Triton (tools/bench/inprocess.py): the serving overhead; each
             greedy in-process job runs right after its served twin (split phase), same prompt, same cores
   peer      transformers assisted generation on the same pair, prompts and 2 cores (tools/bench/peer.py)
+  llamacpp  llama.cpp's llama-server on the pair's GGUF files, same prompts and 2 cores: AR and its
+            speculative decoding (tools/bench/llamacpp.py; builds llama-server once, cached in build/)
 Outputs in --out (default results/bench/): raw.json, report.md (tables per dataset and overall,
 correctness pass, sweeps, defaults), throughput.png, hit_rate_vs_budget.png,
 ssd_over_sd_predicted_vs_measured.png, c_sweep.png.
@@ -15,6 +17,7 @@ ssd_over_sd_predicted_vs_measured.png, c_sweep.png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -27,6 +30,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llamacpp  # noqa: E402
 import report  # noqa: E402
 from prompts import load  # noqa: E402
 from serve import engines_by_role  # noqa: E402
@@ -87,6 +91,8 @@ PRESETS = {
     "quick": Preset("humaneval,gsm8k", 1, 24, "humaneval", ("sd", "ssd"), "humaneval", SWEEPS_QUICK, "humaneval", "2",
                     "humaneval"),
     "full": Preset(ALL3, 2, 64, ALL3, ("sd", "ssd"), "humaneval,gsm8k", SWEEPS_FULL, ALL3, "2", ALL3),
+    # ours against the peers only: the greedy tables on one HumanEval prompt, no sweeps
+    "peers": Preset("humaneval", 1, 64, "", (), "", {}, "", "2", "humaneval"),
 }
 # the warm-up's lengths: first-call allocations, and the policy's first records of SD and the SSD
 # backups (AR's and SD's first calls allocate in 8 tokens, and requests that pin a mode ask the
@@ -315,12 +321,15 @@ def sweep_defaults(pr: Preset) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=PRESETS, default="full")
-    ap.add_argument("--phases", default="split,shared2,inproc,peer")
+    ap.add_argument("--phases", default="split,shared2,inproc,peer,llamacpp")
     ap.add_argument("--config", type=Path, default=REPO / "engines/default.yaml")
     ap.add_argument("--engine-root", type=Path, default=REPO / "engines")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "bench")
+    ap.add_argument("--max-tokens", type=int, help="new tokens a request (default: the preset's)")
     a = ap.parse_args()
     pr = PRESETS[a.preset]
+    if a.max_tokens:
+        pr = dataclasses.replace(pr, max_tokens=a.max_tokens)
     set_server_defaults(a, pr.max_tokens)
     a.out.mkdir(parents=True, exist_ok=True)
     roles = engines_by_role(a.config)
@@ -341,7 +350,8 @@ def main() -> None:
     n_peer = len(two_t) * len(pr.peer_k.split(","))
     n_split = len({job_key(t, b, pr.max_tokens) for t, b in split_jobs})
     total = (n_split * ("split" in phases) + len(shared_jobs) * ("shared2" in phases)
-             + 3 * len(inproc) * ("inproc" in phases) + n_peer * ("peer" in phases))
+             + 3 * len(inproc) * ("inproc" in phases) + n_peer * ("peer" in phases)
+             + 2 * len(two_t) * ("llamacpp" in phases))
     prog = Progress(total)
     print(f"[bench] preset {a.preset}: {total} generations in phases {phases}", flush=True)
     t0 = time.time()
@@ -381,6 +391,11 @@ def main() -> None:
                                                  str(ids_file), "--max-tokens", str(pr.max_tokens), "--k", pr.peer_k,
                                                  "--modes", "assisted", "--cores", "0,1", "--threads", "2"],
                                      a.out / "peer.json", n_peer, prog, "peer")
+    if "llamacpp" in phases:
+        raw["llamacpp"] = llamacpp.bench_phase(
+            a.config, a.engine_root, json.loads(ids_file.read_text()), pr.max_tokens, codec.encode_prompt(warm_text),
+            a.out, on_row=lambda r: prog.step(f"llama.cpp {r['dataset']} #{r['prompt']} {r['mode']}: "
+                                              f"{r['decode_tokens_per_s']:.2f} tok/s"))
     raw["meta"] = {"preset": a.preset, "wall_s": round(time.time() - t0, 1), "max_tokens": pr.max_tokens,
                    "datasets": datasets, "per_dataset": pr.per_dataset, "peak_rss_gb": PEAK_RSS,
                    "sweep_defaults": sweep_defaults(pr)}

@@ -11,3 +11,14 @@ def engine_meta(folder: str | os.PathLike) -> dict:
     """A built engine folder's engine.json (dtype, eos ids, source); {} for a plain HF folder."""
     path = Path(folder) / "engine.json"
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+TRTLLM_SUBDIR = "trtllm"
+
+
+def trtllm_engine_dir(engine_dir: str | os.PathLike) -> Path:
+    """Where the TensorRT-LLM engine of the model in ``engine_dir`` (<root>/<name>, the torch
+    engine's folder) lives: <root>/trtllm/<name>. tools/trtllm_build.py writes there and the
+    runtime reads there."""
+    p = Path(engine_dir)
+    return p.parent / TRTLLM_SUBDIR / p.name

@@ -23,9 +23,20 @@ def pin_process(threads: str, cores: str) -> None:
             os.sched_setaffinity(0, usable)
 
 
+def instance_device(params: dict[str, str], args: dict) -> str:
+    """The torch device of this instance: a KIND_GPU instance with device "cuda" runs on the GPU
+    Triton placed it on (one instance per GPU listed in instance_group); anything else as given."""
+    device = params.get("device", "")
+    if device == "cuda" and args.get("model_instance_kind") == "GPU":
+        return f"cuda:{int(args['model_instance_device_id'])}"
+    return device
+
+
 def create_model(args: dict):
     config = json.loads(args["model_config"])
     params = model_parameters(config)
+    if params.get("device"):
+        params["device"] = instance_device(params, args)
     role = params.get("role", "")
     pin_process(params.get("threads", ""), params.get("cores", ""))
     if role == "orchestrator":

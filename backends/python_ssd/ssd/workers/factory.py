@@ -3,6 +3,9 @@
 `engine_backend` picks the runtime: `torch` (the CPU/GPU torch engine, every role) or
 `tensorrt_llm` (the target only: TensorRT-LLM verifies drafts natively with draft_tokens_external;
 speculation needs tree rows over a shared prefix, which only the torch engine runs).
+`static_kv_len` > 0 gives the torch engine a static KV pool of that many tokens per sequence and
+fixed-shape decode / tree steps, captured as CUDA graphs on a GPU (`cuda_graphs`, default true
+there): the GPU drafter (engine/static_engine.py).
 """
 from __future__ import annotations
 
@@ -20,16 +23,24 @@ def build_worker(role: str, params: dict[str, str], engine_dir: str | None):
         if role != "target":
             raise ValueError(f"parameter 'engine_backend': tensorrt_llm serves the target only; the {role} "
                              "speculates with tree rows, which needs engine_backend 'torch'")
+        from ..engine.meta import trtllm_engine_dir
         from ..engine.trtllm_engine import TrtllmEngine
         from .trtllm_target import TrtllmTargetWorker
-        return TrtllmTargetWorker(TrtllmEngine(engine_dir))
+        ids = [int(x) for x in (params.get("gpu_device_ids") or "").split(",") if x.strip()]
+        return TrtllmTargetWorker(TrtllmEngine(trtllm_engine_dir(engine_dir), device_ids=ids or None))
     from ..engine.engine import TorchEngine
-    engine = TorchEngine(engine_dir, dtype=params.get("dtype") or None,
-                         threads=int(params.get("threads") or 0) or None,
-                         exact=params.get("batch_invariant", "true").lower() == "true",
-                         max_sequences=int(params.get("max_sequences") or 64),
-                         head_vocab=int(params.get("head_vocab") or 0),
-                         device=params.get("device") or "cpu", weight_quant=params.get("weight_quant") or "")
+    kw = dict(dtype=params.get("dtype") or None, threads=int(params.get("threads") or 0) or None,
+              exact=params.get("batch_invariant", "true").lower() == "true",
+              max_sequences=int(params.get("max_sequences") or 64), head_vocab=int(params.get("head_vocab") or 0),
+              device=params.get("device") or "cpu", weight_quant=params.get("weight_quant") or "")
+    static_len = int(params.get("static_kv_len") or 0)
+    if static_len > 0:
+        from ..engine.static_engine import StaticEngine
+        graphs = (params.get("cuda_graphs") or "").lower()
+        engine = StaticEngine(engine_dir, static_len=static_len, cuda_graphs=None if not graphs else graphs == "true",
+                              **kw)
+    else:
+        engine = TorchEngine(engine_dir, **kw)
     if role == "target":
         from .target import TargetWorker
         return TargetWorker(engine)

@@ -1,7 +1,8 @@
 """The target's process: one batched forward over every sequence's draft, then verification.
 
-Mirrors TensorRT-LLM's draft_tokens_external mode: in goes a prefix plus draft tokens (and the
-drafter's q' rows when sampling), out comes the accepted count and exactly one target token.
+The contract of TensorRT-LLM's draft_tokens_external verify (its first, streamed answer): in goes a
+prefix plus draft tokens (and the drafter's q' rows when sampling), out comes the accepted count and
+exactly one target token.
 The target's own distribution p never leaves this process.
 """
 from __future__ import annotations

@@ -1,0 +1,96 @@
+"""Deployment specs (tools/deploy.py): the CPU default renders the shipped model repository byte for
+byte; the paper's GPU layout renders its placement; bad specs name the field."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+
+import deploy  # noqa: E402
+
+
+def spec(name: str) -> dict:
+    return yaml.safe_load((REPO / "deploy" / name).read_text())
+
+
+def test_cpu_default_renders_the_model_repository_byte_for_byte() -> None:
+    configs = deploy.render(spec("cpu_default.yaml"))
+    shipped = {p.parent.name: p.read_text() for p in (REPO / "model_repository").glob("*/config.pbtxt")}
+    assert set(configs) == set(shipped)
+    for name, text in configs.items():
+        assert text == shipped[name], name
+    r = subprocess.run([sys.executable, "tools/deploy.py", "deploy/cpu_default.yaml", "--check", "model_repository"],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def test_check_reports_a_difference(tmp_path: Path) -> None:
+    deploy.write(deploy.render(spec("cpu_default.yaml")), tmp_path)
+    cfg = tmp_path / "target/config.pbtxt"
+    cfg.write_text(cfg.read_text().replace('"true"', '"false"'))
+    r = subprocess.run([sys.executable, "tools/deploy.py", "deploy/cpu_default.yaml", "--check", str(tmp_path)],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "target: differs" in r.stderr
+    assert (tmp_path / "ssd/1").is_dir()
+
+
+def test_gpu_paper_layout_places_the_target_on_gpus_0_to_3_and_the_drafter_on_gpu_4() -> None:
+    configs = deploy.render(spec("gpu_paper_layout.yaml"))
+    target, drafter = configs["target"], configs["drafter_primary"]
+    assert "instance_group [ { kind: KIND_CPU count: 1 } ]" in target  # one process leads the TP group
+    assert 'key: "gpu_device_ids" value: { string_value: "0,1,2,3" }' in target
+    assert 'key: "engine_backend" value: { string_value: "tensorrt_llm" }' in target
+    assert "instance_group [ { kind: KIND_GPU count: 1 gpus: [ 4 ] } ]" in drafter
+    assert 'key: "device" value: { string_value: "cuda" }' in drafter
+    assert 'key: "static_kv_len"' in drafter and 'key: "engine_backend" value: { string_value: "torch" }' in drafter
+    assert 'key: "max_verify_rows" value: { string_value: "0" }' in configs["ssd"]
+    assert "KIND_GPU" not in configs["drafter_backup"]
+
+
+def test_the_gpu_instance_runs_on_the_gpu_triton_placed_it_on() -> None:
+    sys.path.insert(0, str(REPO / "backends/python_ssd"))
+    from ssd.serving.roles import instance_device
+
+    gpu4 = {"model_instance_kind": "GPU", "model_instance_device_id": "4"}
+    assert instance_device({"device": "cuda"}, gpu4) == "cuda:4"
+    assert instance_device({"device": "cuda:1"}, gpu4) == "cuda:1"
+    assert instance_device({"device": "cpu"}, {"model_instance_kind": "CPU", "model_instance_device_id": "0"}) == "cpu"
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda s: s["models"]["target"]["parameters"].append({"threads": 2}), r"target.parameters\[\d+\].threads"),
+    (lambda s: s["models"]["target"].update(engine="onnx"), "target.engine"),
+    (lambda s: s["models"]["ssd"].update(interface="http"), "ssd.interface"),
+    (lambda s: s["models"]["target"].update(instances=0), "target.instances"),
+])
+def test_bad_specs_name_the_field(change, field) -> None:
+    s = spec("cpu_default.yaml")
+    change(s)
+    with pytest.raises(deploy.SpecError, match=field):
+        deploy.render(s)
+
+
+def test_kubernetes_replica_matches_the_gpu_spec() -> None:
+    k8s = REPO / "deploy/k8s"
+    docs = {d["kind"]: d for f in ("deployment.yaml", "service.yaml") for d in yaml.safe_load_all((k8s / f).read_text())}
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    gpus = {g for m in spec("gpu_paper_layout.yaml")["models"].values() for g in m.get("gpus", [])}
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == len(gpus) == 5  # one replica = one spec
+    assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert {p["targetPort"] for p in docs["Service"]["spec"]["ports"]} <= set(ports)
+    assert docs["Service"]["spec"]["selector"] == docs["Deployment"]["spec"]["selector"]["matchLabels"]
+    dockerfile = (k8s / "Dockerfile").read_text()
+    assert "FROM nvcr.io/nvidia/tritonserver:${TRITON_TAG}-trtllm-python-py3" in dockerfile
+    assert "ARG SPEC=deploy/gpu_paper_layout.yaml" in dockerfile and "tools/deploy.py" in dockerfile
+    for line in dockerfile.splitlines():  # every path the image copies exists
+        if line.startswith("COPY "):
+            for src in line.split()[1:-1]:
+                assert list(REPO.glob(src.rstrip("/"))), src
