@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test venv engines bench bench-quick loadtest clean llama-server
+.PHONY: serve test venv engines bench bench-quick loadtest aiperf clean llama-server
 
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,11 +14,15 @@ $(STAMP): requirements.txt
 
 venv: $(STAMP)
 
-engines: $(STAMP)
-	PYTHON=$(PY) bash build_engines.sh --config engines/default.yaml
+# ENGINES: an engines/*.yaml profile (default: the embedded Qwen pair), e.g. make serve ENGINES=engines/my.yaml
+ENGINES ?= engines/default.yaml
 
+engines: $(STAMP)
+	PYTHON=$(PY) bash build_engines.sh --config $(ENGINES)
+
+# Triton on :8000 (HTTP) / :8001 (gRPC) and the OpenAI-compatible frontend on 127.0.0.1:9000
 serve: engines
-	$(PY) tools/serve.py
+	$(PY) tools/serve.py --config $(ENGINES)
 
 test: $(STAMP)
 	$(PY) -m pytest -v -p no:cacheprovider tests
@@ -42,3 +46,15 @@ clean:
 LOADTEST_ARGS ?=
 loadtest: $(STAMP)
 	$(PY) loadtest/sweep.py $(LOADTEST_ARGS)
+
+# NVIDIA AIPerf against the OpenAI endpoint of a running `make serve` (small scale; see loadtest/aiperf_run.py).
+# Its own venv: AIPerf needs numpy 2, the serving stack numpy 1.26.
+AIPERF_VENV := build/aiperf-venv
+AIPERF_ARGS ?= --concurrency 2 --requests 16
+$(AIPERF_VENV)/.installed: loadtest/aiperf-requirements.txt
+	@test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install -q -r loadtest/aiperf-requirements.txt
+	@touch $@
+
+aiperf: $(STAMP) $(AIPERF_VENV)/.installed
+	$(PY) loadtest/aiperf_run.py --tokenizer engines/$$($(PY) -c "import yaml; c = yaml.safe_load(open('$(ENGINES)')); print(next(n for n, e in c['engines'].items() if e['role'] == 'target'))") $(AIPERF_ARGS)

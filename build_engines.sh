@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Builds every engine an engines/<profile>.yaml names.
+# Builds every engine an engines/<profile>.yaml names: the pinned embedded pair, or your own pair
+# (a source with `path:` = a local Hugging Face checkpoint folder or a .gguf file, see
+# engines/my-pair.example.yaml; Llama and Qwen2 families; the drafter must share the target's tokenizer).
 #   torch:        tools/build_engines.py -> engines/<name>/ (bf16/fp32 safetensors, CPU engine)
 #   tensorrt_llm: the torch conversion first (its HF-format folders are convert_checkpoint's input),
 #                 then tools/trtllm_build.py -> engines/trtllm/<name>/ (TensorRT-LLM 1.2.x engines)
@@ -16,7 +18,7 @@ DTYPE=""
 OUT=engines
 DRY_RUN=0
 
-usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "[build_engines] ERROR: $*" >&2; exit 2; }
 
 while [[ $# -gt 0 ]]; do
@@ -88,6 +90,15 @@ for i, (name, spec) in enumerate(cfg["engines"].items(), 1):
     keep = int(spec.get("keep_layers", 0))
     folder = out / name
     head = f"[dry-run] torch engine {i}/{len(cfg['engines'])}: {name} ({spec['role']}, {dtype})"
+    if "path" in src:
+        from local_checkpoints import check_source, fingerprint  # noqa: E402
+        path = (config.parent / Path(src["path"]).expanduser()).resolve()
+        kind = check_source(path)
+        if engine_is_current(folder, fingerprint(path), dtype, keep):
+            print(f"{head}: {folder} is up to date, nothing to convert")
+        else:
+            print(f"{head}: would convert the local {'Hugging Face folder' if kind == 'hf' else 'GGUF file'} {path} -> {folder}")
+        continue
     if engine_is_current(folder, src["sha256"], dtype, keep):
         print(f"{head}: {folder} is up to date, nothing to fetch or convert")
         continue

@@ -1,8 +1,11 @@
 """Builds every engine an engines/<profile>.yaml names (the CPU torch path).
 
 For each engine: fetch + verify its source checkpoint (tools/fetch_weights.py), then convert it once
-into engines/<name>/ (tools/convert_gguf.py). Idempotent: an engine folder whose engine.json records
-the same source checksum, dtype and layer count is left alone.
+into engines/<name>/ (tools/convert_gguf.py). A source with `path:` is the user's own checkpoint, a
+local Hugging Face folder or GGUF file (tools/local_checkpoints.py): its architecture is checked
+before anything is converted, and the drafter's tokenizer against the target's once both are built.
+Idempotent: an engine folder whose engine.json records the same source checksum (a fingerprint for
+local sources), dtype and layer count is left alone.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).parent))
 from convert_gguf import convert  # noqa: E402
 from fetch_weights import ChecksumError, fetch  # noqa: E402
+from local_checkpoints import CheckpointError, check_same_tokenizer, check_source, convert_hf_dir, fingerprint  # noqa: E402
 
 
 def engine_is_current(folder: Path, sha: str, dtype: str, keep_layers: int) -> bool:
@@ -29,21 +33,36 @@ def engine_is_current(folder: Path, sha: str, dtype: str, keep_layers: int) -> b
 
 def build(config: Path, out_root: Path, cache: Path, dtype_override: str | None = None) -> list[Path]:
     cfg = yaml.safe_load(config.read_text())
-    built = []
     engines = cfg["engines"]
+    local = {}  # engine name -> (path, kind): checked before anything is fetched or converted
+    for name, spec in engines.items():
+        src = cfg["sources"][spec["source"]]
+        if "path" in src:
+            path = (config.parent / Path(src["path"]).expanduser()).resolve()
+            local[name] = (path, check_source(path))
+    by_role = {spec["role"]: name for name, spec in engines.items()}
+    pair = [by_role.get("target"), by_role.get("drafter")]
+    if all(n in local and local[n][1] == "hf" for n in pair):  # both HF folders: check before converting
+        check_same_tokenizer(local[pair[0]][0], local[pair[1]][0], *pair)
+    built = {}
     for i, (name, spec) in enumerate(engines.items(), 1):
         src = cfg["sources"][spec["source"]]
         dtype = dtype_override or spec.get("dtype", "bfloat16")
         keep = int(spec.get("keep_layers", 0))
         folder = out_root / name
         print(f"[build] engine {i}/{len(engines)}: {name} ({spec['role']}, {dtype})", flush=True)
-        if engine_is_current(folder, src["sha256"], dtype, keep):
+        source_id = fingerprint(local[name][0]) if name in local else src["sha256"]
+        if engine_is_current(folder, source_id, dtype, keep):
             print(f"[build] {folder} is up to date, nothing to do", flush=True)
+        elif name in local and local[name][1] == "hf":
+            convert_hf_dir(local[name][0], folder, dtype, spec["role"], source_id)
         else:
-            gguf = fetch(src, cache)
-            convert(gguf, folder, dtype, spec["role"], src["sha256"], keep)
-        built.append(folder)
-    return built
+            gguf = local[name][0] if name in local else fetch(src, cache)
+            convert(gguf, folder, dtype, spec["role"], source_id, keep)
+        built[name] = folder
+    if all(pair):
+        check_same_tokenizer(built[pair[0]], built[pair[1]], *pair)
+    return list(built.values())
 
 
 def main() -> None:
@@ -59,6 +78,9 @@ def main() -> None:
     except ChecksumError as e:
         print(f"[build] ERROR: {e}", file=sys.stderr)
         sys.exit(3)
+    except CheckpointError as e:
+        print(f"[build] ERROR: {e}", file=sys.stderr)
+        sys.exit(4)
     print(f"[build] done in {time.time() - t0:.0f} s", flush=True)
 
 

@@ -1,4 +1,5 @@
-"""`make serve`: build the engines if missing, start tritonserver with the SSD models, wait.
+"""`make serve`: build the engines if missing, start tritonserver with the SSD models and the
+OpenAI-compatible frontend (http://127.0.0.1:9000/v1, frontends/openai_api/) beside it, wait.
 
 Prints the endpoints and an example request once every model is READY; Ctrl-C stops Triton and its
 model processes. On CPU the target gets core 0 and the drafter core 1 (one thread each), which is
@@ -15,6 +16,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
+from openai_launcher import OpenAIFrontend  # noqa: E402
 from triton_launcher import REPO, TritonServer, render_repository  # noqa: E402
 
 
@@ -35,9 +37,11 @@ def main() -> None:
     ap.add_argument("--drafter-cores", default="1")
     ap.add_argument("--threads", default="1", help="torch threads per engine process")
     ap.add_argument("--mode", default="ssd", choices=["ar", "sd", "ssd"], help="default decoding mode")
+    ap.add_argument("--work-dir", type=Path, default=REPO / "build", help="rendered model repository and logs")
+    ap.add_argument("--openai-port", type=int, default=9000, help="OpenAI-compatible frontend's port (0: none)")
     a = ap.parse_args()
     roles = engines_by_role(a.config)
-    repo = render_repository(REPO / "build" / "model_repository", {
+    repo = render_repository(a.work_dir / "model_repository", {
         "ssd": {"tokenizer": roles["target"], "default_mode": a.mode},
         "target": {"engine": roles["target"], "cores": a.target_cores, "threads": a.threads},
         "drafter_primary": {"engine": roles["drafter"], "cores": a.drafter_cores, "threads": a.threads},
@@ -45,17 +49,29 @@ def main() -> None:
     })
     server = TritonServer(repo, a.engine_root, http_port=a.http_port, grpc_port=a.grpc_port,
                           metrics_port=a.metrics_port, address=a.address,
-                          log_file=REPO / "build" / "tritonserver.log")
+                          log_file=a.work_dir / "tritonserver.log")
     print(f"[serve] starting tritonserver (log: {server.log_file}) ...", flush=True)
     t0 = time.time()
     server.start(timeout=900)
     print(f"[serve] ready in {time.time() - t0:.0f} s: target={roles['target']} drafter={roles['drafter']}")
     print(f"[serve] HTTP    http://{server.http_url}   gRPC {server.grpc_url}   "
           f"metrics http://{server.address}:{server.metrics_port}/metrics")
+    frontend = None
+    if a.openai_port:
+        frontend = OpenAIFrontend(a.engine_root / roles["target"], server.grpc_url, port=a.openai_port,
+                                  host=a.address, log_file=a.work_dir / "openai_frontend.log")
+        try:
+            frontend.start()
+        except (RuntimeError, TimeoutError):
+            server.stop()
+            raise
+        print(f"[serve] OpenAI  {frontend.base_url}  (model '{roles['target']}', log: {frontend.log_file})")
     print(f"""[serve] try:
   curl -s {server.http_url}/v2/models/ssd/generate -d '{{"text_input": "Write a Python function that checks whether a number is prime.", "max_tokens": 64}}'
-  .venv/bin/python tools/client.py --url {server.http_url} --mode ssd "Write a quicksort in Python."
-  .venv/bin/python tools/client.py --grpc --url {server.grpc_url} --stream "Explain recursion in one paragraph."
+  .venv/bin/python examples/http_client.py --url http://{server.http_url} "Write a quicksort in Python."
+  .venv/bin/python examples/grpc_stream_client.py --url {server.grpc_url} "Explain recursion in one paragraph."
+  .venv/bin/python examples/openai_client.py --url http://{a.address}:{a.openai_port}/v1 "Write a haiku about caches."
+  curl -sN http://{a.address}:{a.openai_port}/v1/chat/completions -H 'Content-Type: application/json' -d '{{"model": "{roles['target']}", "messages": [{{"role": "user", "content": "Write a haiku about caches."}}], "stream": true}}'
 [serve] Ctrl-C to stop.""", flush=True)
     stop = {"now": False}
     signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
@@ -65,6 +81,8 @@ def main() -> None:
             time.sleep(0.5)
     finally:
         print("[serve] stopping ...", flush=True)
+        if frontend is not None:
+            frontend.stop()
         server.stop()
         print("[serve] stopped", flush=True)
 
