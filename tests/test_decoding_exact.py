@@ -185,7 +185,7 @@ def test_switching_modes_between_rounds_is_exact(engines, codec, ar_outputs, dra
 
 
 def test_changing_k_between_ssd_rounds_is_exact(engines, codec, ar_outputs):
-    """The policy's K per round (SpeedupModel.best_k) moves up and down between SSD rounds: a cached
+    """The scheduler's K per round (CostModel.best_k) moves up and down between SSD rounds: a cached
     draft from a longer K is cut, one from a shorter K is verified as it is; same tokens."""
     from ssd.decoding.generator import DecodeConfig
 
