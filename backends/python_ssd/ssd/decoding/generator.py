@@ -26,7 +26,7 @@ from ..algorithm.rounds import Choice, Learner, RoundRecord
 from ..algorithm.sampling import SamplingParams
 from ..algorithm.scheduler import Decision, Scheduler
 from ..algorithm.stats import RequestStats
-from ..config import BACKUPS, MODES, DecodeConfig  # noqa: F401 - the loops' knobs, imported from here by callers
+from ..config import DecodeConfig
 from ..workers.protocol import (DraftCall, DraftResult, FetchCall, SpeculateCall, SpeculateResult,
                                 VerifyCall, VerifyResult)
 
