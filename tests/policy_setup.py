@@ -1,8 +1,9 @@
-"""The policy tests' shared setup: a policy that has measured engines of a known shape, and
-rounds fed to it at chosen rates (test_policy.py, test_policy_switching.py, test_speedup_model.py)."""
+"""The scheduler tests' shared setup: a scheduler whose cost model has measured engines of a known
+shape, and rounds fed to it at chosen rates (test_scheduler.py, test_cost_model.py)."""
 from __future__ import annotations
 
-from ssd.algorithm.policy import ModePolicy
+from ssd.algorithm.rounds import Choice, RoundRecord
+from ssd.algorithm.scheduler import Scheduler
 
 
 def alpha_at_k4(tokens_at_k4: float) -> float:
@@ -14,49 +15,54 @@ def alpha_at_k4(tokens_at_k4: float) -> float:
     return lo
 
 
-def measured_policy(e_draft: float = 3.6, e_hit: float = 3.9, p_hit: float = 0.8, drafter_scale: float = 1.0):
-    """A policy that has measured a bandwidth-bound-then-compute-bound target and drafter."""
-    pol = ModePolicy()
-    for rows, s in ((1, 0.30), (8, 0.30), (32, 0.33), (128, 1.2), (512, 4.8)):
-        pol.model.target.observe(rows, s)
-    for rows, s in ((1, 0.08), (8, 0.08), (32, 0.10), (128, 0.40), (512, 1.6)):
-        pol.model.drafter.observe(rows, s * drafter_scale)
-    pol.model.p_hit["model"].value = pol.model.p_hit["fast"].value = p_hit
-    pol.model.e_hit.alpha = alpha_at_k4(e_hit)
-    pol.model.e_miss["neural"].alpha, pol.model.e_miss["fast"].alpha, pol.model.t_fast.value = alpha_at_k4(e_draft), alpha_at_k4(1.5), 0.003
-    pol.model.e_hit.count = 1
-    pol.explore_new = pol.explore_every = 10**9  # these tests check the prediction, not exploration
-    pol.min_dwell = 0
-    return pol
+def measured_scheduler(e_draft: float = 3.6, e_hit: float = 3.9, p_hit: float = 0.8, drafter_scale: float = 1.0,
+                       **config) -> Scheduler:
+    """A scheduler whose cost model has measured a bandwidth-bound-then-compute-bound target and drafter."""
+    from ssd.algorithm.scheduler import PolicyConfig
+
+    s = Scheduler(PolicyConfig(**config))
+    for rows, sec in ((1, 0.30), (8, 0.30), (32, 0.33), (128, 1.2), (512, 4.8)):
+        s.model.target.observe(rows, sec)
+    for rows, sec in ((1, 0.08), (8, 0.08), (32, 0.10), (128, 0.40), (512, 1.6)):
+        s.model.drafter.observe(rows, sec * drafter_scale)
+    s.model.p_hit["model"].value = s.model.p_hit["fast"].value = p_hit
+    s.model.accept["cache"].alpha = alpha_at_k4(e_hit)
+    s.model.accept["cache"].count = 1
+    s.model.accept["neural"].alpha, s.model.accept["fast"].alpha = alpha_at_k4(e_draft), alpha_at_k4(1.5)
+    s.model.t_fast.value = 0.003
+    return s
 
 
-def measure_rounds(pol: ModePolicy, choice: str, rate: float, batch: int, rounds: int = 3) -> None:
-    """``rounds`` rounds of ``choice`` at ``batch`` sequences, each at ``rate`` tokens/s per sequence."""
-    for _ in range(rounds * batch):
-        pol.observe_round(choice, 2, 2 / rate, batch, 4, 8)
-
-
-def verify_bound_policy(drafter_row_cost: float) -> ModePolicy:
-    """This machine's shape (AMD EPYC, one thread per engine, measured): a target verify of 1-5 rows
-    costs what one row does (0.10 s); each drafter forward costs 0.022 s plus ``drafter_row_cost``
-    per row."""
-    pol = ModePolicy()
-    for rows, s in ((1, 0.100), (2, 0.100), (4, 0.105), (8, 0.115), (32, 0.20)):
-        pol.model.target.observe(rows, s)
+def verify_bound_scheduler(drafter_row_cost: float) -> Scheduler:
+    """A target whose verify of 1-5 rows costs what one row does (0.10 s); each drafter forward
+    costs 0.022 s plus ``drafter_row_cost`` per row."""
+    s = Scheduler()
+    for rows, sec in ((1, 0.100), (2, 0.100), (4, 0.105), (8, 0.115), (32, 0.20)):
+        s.model.target.observe(rows, sec)
     for rows in (1, 2, 4, 8, 16, 32):
-        pol.model.drafter.observe(rows, 0.022 + drafter_row_cost * rows)
-    pol.model.p_hit["model"].value = pol.model.p_hit["fast"].value = 0.65
-    pol.model.e_hit.alpha = pol.model.e_miss["neural"].alpha = 0.8
-    pol.model.e_hit.count = 1
-    return pol
+        s.model.drafter.observe(rows, 0.022 + drafter_row_cost * rows)
+    s.model.p_hit["model"].value = s.model.p_hit["fast"].value = 0.65
+    s.model.accept["cache"].alpha = s.model.accept["neural"].alpha = 0.8
+    s.model.accept["cache"].count = 1
+    return s
 
 
-def ssd_rounds(pol, choice: str, pattern: str, hit=(4, 1.0), miss=(3, 1.3), batch: int = 1) -> None:
-    """SSD rounds in ``pattern`` order, each reported by every one of ``batch`` sequences:
-    h = from a cache hit, m = from the backup."""
-    backup = choice.partition("+")[2]
-    for x in pattern:
-        tokens, seconds = hit if x == "h" else miss
-        pol.rounds += 1  # as choose() counts them
+def record(choice, tokens: float, seconds: float, batch: int = 1, after_switch: bool = False) -> RoundRecord:
+    return RoundRecord(choice=Choice(choice), reason="policy", k=4, budget=8, batch=batch, tokens=tokens,
+                       seconds=seconds, source="none", drafted=0, hit=None, after_switch=after_switch)
+
+
+def run_batch(s: Scheduler, rates: dict, batch: int, rounds: int, allowed=tuple(Choice)) -> list:
+    """``rounds`` rounds of a batch of ``batch`` sequences, each choice running at ``rates[choice]``
+    tokens/s per sequence (a callable of the round number, or a number); the decisions, one a round."""
+    seen = []
+    for i in range(rounds):
+        d = None
+        for j in range(batch):
+            d = s.choose(batch, 4, 8, allowed, seq=f"s{j}")
+        seen.append(d)
+        rate = rates[d.choice](i) if callable(rates[d.choice]) else rates[d.choice]
+        switched = len(seen) > 1 and seen[-2].choice != d.choice and not seen[-2].choice.switch_is_free(d.choice)
         for _ in range(batch):
-            pol.observe_round(choice, tokens, seconds, batch, 4, 8, source="cache" if x == "h" else backup)
+            s.observe(record(d.choice, 3, 3 / rate, batch, after_switch=switched))
+    return seen

@@ -1,5 +1,5 @@
 """Unit tests of the engine-agnostic pieces: fan-out, candidates, n-gram backup, verification,
-sampling, stopping, the round's K (the mode policy: test_policy.py)."""
+sampling, stopping, the round's K (the scheduler: test_scheduler.py, test_cost_model.py)."""
 from __future__ import annotations
 
 import torch

@@ -81,40 +81,26 @@ def test_capped_round_k_is_exact(engines, codec, ar_outputs, mode):
         assert max(g.stats.tokens_per_round) == 3 and g.k == 2
 
 
-def test_rounds_overlapping_a_prefill_count_in_the_measured_rate_but_do_not_calibrate_the_formula(engines, codec):
-    """Another request's prefill in flight stalls every round it overlaps: that is part of what a
-    choice delivers under load (its measured record), not of the forward costs the formula prices
-    (its calibration)."""
-    from ssd.decoding.generator import DecodeConfig, SharedState
-
-    client = _client(engines, "strong")
-    prompt = codec.encode_prompt(PROMPTS[0])
-    calibrated, measured = {}, {}
-    for busy in (0, 1):
-        shared = SharedState()
-        shared.prefilling = busy  # as if another request's prefill were running all along
-        asyncio.run(_generate(client, prompt, DecodeConfig(mode="ssd", k=3), n=12, shared=shared))
-        calibrated[busy] = sum(e.count for (c, b), e in shared.policy.calib.items() if b is None)
-        measured[busy] = sum(m.count for m in shared.policy.measured.values())
-    assert calibrated[1] == 0 and calibrated[0] > 0
-    assert measured[1] > 0 and measured[0] > 0
-
-
-def test_ssd_rounds_reach_the_policy_with_their_draft_source(engines, codec):
-    """The policy judges the SSD backups by their misses (algorithm/ssd_parts.py): each SSD round
-    it is shown lands in the hit or the miss part of its choice's record, as the request's own
-    statistics saw its draft's source (a request's first round is in the means, not the count)."""
+def test_every_round_reaches_the_learner_as_one_record(engines, codec):
+    """Each round hands one RoundRecord to the server's learner: the request's statistics, the
+    cost model's estimates (hit rate per verified draft, acceptance per draft source) and the
+    scheduler's record of the choice at this batch size all count the same rounds."""
+    from ssd.algorithm.rounds import Choice
     from ssd.decoding.generator import DecodeConfig, SharedState
 
     client = _client(engines, "strong")
     shared = SharedState()
     _, g = asyncio.run(_generate(client, codec.encode_prompt(PROMPTS[1]),
                                  DecodeConfig(mode="ssd", k=3, backup="neural", step_aside=False), n=24, shared=shared))
-    later = g.stats.source_per_round[1:]
-    parts = shared.policy.parts
-    assert parts[("ssd+neural", 0, "hit")].count == later.count("cache") > 0
-    assert parts.get(("ssd+neural", 0, "miss"), None) is not None  # the first round, at least
-    assert parts[("ssd+neural", 0, "miss")].count == later.count("neural")
+    model, sources = shared.policy.model, g.stats.source_per_round
+    assert g.stats.rounds == len(sources) > 0
+    assert model.p_hit["model"].count == g.stats.hits + g.stats.misses == g.stats.rounds
+    # a round's hit gives the next round its draft (the last round's hit has no next round)
+    assert model.accept["cache"].count == sources.count("cache") > 0
+    assert sources[1:].count("cache") <= g.stats.hits <= sources.count("cache") + 1
+    assert model.accept["neural"].count == sources.count("neural")
+    record = shared.policy.records[(Choice.SSD_NEURAL, 0)]
+    assert record.tokens > 0 and record.seconds > 0 and 0 < record.weight <= g.stats.rounds
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
@@ -160,10 +146,10 @@ def test_both_hits_and_misses_happen(engines, codec):
 def cycling_shared(order, ks=()):
     """Server state whose policy switches the choice every round, through ``order`` (and K through
     ``ks``, when given)."""
-    from ssd.algorithm.policy import ModePolicy
+    from ssd.algorithm.scheduler import Scheduler
     from ssd.decoding.generator import SharedState
 
-    class CyclingPolicy(ModePolicy):
+    class CyclingPolicy(Scheduler):
         def choose(self, batch, k, budget, allowed, seq=None, adaptive_k=False):
             self.forced_mode = order[self.rounds % len(order)]
             d = super().choose(batch, k, budget, allowed, seq, adaptive_k)
@@ -199,7 +185,7 @@ def test_switching_modes_between_rounds_is_exact(engines, codec, ar_outputs, dra
 
 
 def test_changing_k_between_ssd_rounds_is_exact(engines, codec, ar_outputs):
-    """The policy's K per round (SpeedupModel.best_k) moves up and down between SSD rounds: a cached
+    """The scheduler's K per round (CostModel.best_k) moves up and down between SSD rounds: a cached
     draft from a longer K is cut, one from a shorter K is verified as it is; same tokens."""
     from ssd.decoding.generator import DecodeConfig
 

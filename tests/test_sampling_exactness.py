@@ -42,7 +42,7 @@ from ssd.algorithm import verification  # noqa: E402
 from ssd.algorithm.stats import RequestStats  # noqa: E402
 from ssd.algorithm.sampling import SamplingParams, probs_from_logits, sample, saguaro  # noqa: E402
 from ssd.algorithm.verification import Outcome  # noqa: E402
-from ssd.algorithm.policy import ModePolicy  # noqa: E402
+from ssd.algorithm.scheduler import Scheduler  # noqa: E402
 from ssd.decoding.coalescer import CoalescingClient  # noqa: E402
 from ssd.decoding.generator import DecodeConfig, Generation, SharedState  # noqa: E402
 from ssd.decoding.local_client import LocalClient  # noqa: E402
@@ -76,7 +76,7 @@ SWITCH_ORDER = ["ssd+neural", "ssd+neural", "sd", "ssd+fast", "ssd+neural", "ar"
 SWITCH_KS = [3, 1, 2, 3, 2]  # and K with it (a cached draft cut to a shorter K, a short one at a longer K)
 
 
-class CyclingPolicy(ModePolicy):
+class CyclingPolicy(Scheduler):
     def choose(self, batch, k, budget, allowed, seq=None, adaptive_k=False):
         self.forced_mode = SWITCH_ORDER[self.rounds % len(SWITCH_ORDER)]
         d = super().choose(batch, k, budget, allowed, seq, adaptive_k)

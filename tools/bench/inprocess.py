@@ -27,6 +27,7 @@ sys.path.insert(0, str(REPO / "backends" / "python_ssd"))
 import torch  # noqa: E402
 
 from ssd.algorithm.sampling import SamplingParams  # noqa: E402
+from ssd.config import ServerConfig  # noqa: E402
 from ssd.decoding.generator import DecodeConfig, Generation, SharedState  # noqa: E402
 from ssd.decoding.local_client import LocalClient  # noqa: E402
 from ssd.engine.engine import TorchEngine  # noqa: E402
@@ -88,10 +89,11 @@ def main() -> None:
     ap.add_argument("--modes", default="ar,sd,ssd")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--budget", type=int, default=12)
-    ap.add_argument("--c", type=float, default=1.0)
-    ap.add_argument("--backup", default="auto")
+    defaults = ServerConfig()  # the served defaults, so in-process rows twin the served ones
+    ap.add_argument("--k", type=int, default=defaults.num_draft_tokens)
+    ap.add_argument("--budget", type=int, default=defaults.fanout_budget)
+    ap.add_argument("--c", type=float, default=defaults.saguaro_c)
+    ap.add_argument("--backup", default=defaults.backup)
     ap.add_argument("--out", type=Path, help="run every prompt x mode, write the rows here (JSON)")
     ap.add_argument("--jobs-stdin", action="store_true",
                     help="instead: read jobs (JSON lines: dataset, index, ids, mode, optional max_tokens) from stdin and answer each "

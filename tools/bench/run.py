@@ -37,6 +37,9 @@ from serve import engines_by_role  # noqa: E402
 from served import generate, start  # noqa: E402
 from triton_launcher import REPO  # noqa: E402
 
+sys.path.insert(0, str(REPO / "backends" / "python_ssd"))
+from ssd.config import ServerConfig  # noqa: E402
+
 
 @dataclass
 class Preset:
@@ -55,8 +58,9 @@ class Preset:
 # every SSD sweep point states all knobs, so the shared baseline (the shipped defaults) runs once
 # step_aside off: these rows measure SSD itself; what the mode policy does under load is the
 # Locust sweep's subject (loadtest/sweep.py)
-SSD_BASE = {"num_draft_tokens": 4, "fanout_budget": 12, "fanout_shape": "geometric", "backup": "auto", "saguaro_c": 1.0,
-            "adaptive_k": True, "step_aside": False}
+# the server's shipped defaults (ssd.config.ServerConfig, what config.pbtxt leaves unchanged)
+SSD_BASE = {name: getattr(ServerConfig(), name) for name in
+            ("num_draft_tokens", "fanout_budget", "fanout_shape", "backup", "saguaro_c", "adaptive_k")} | {"step_aside": False}
 # The main rows state the knobs the sweeps state, so a sweep point that equals a main-table row (same
 # prompt, tokens and knobs: SSD budget 12, C 1.0 at temperature 0.7, SD K=4) is one measurement, not two
 PIN = {"ssd": SSD_BASE, "sd": {"num_draft_tokens": SSD_BASE["num_draft_tokens"]}}
@@ -334,7 +338,6 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     roles = engines_by_role(a.config)
     tdir, ddir = a.engine_root / roles["target"], a.engine_root / roles["drafter"]
-    sys.path.insert(0, str(REPO / "backends" / "python_ssd"))
     from ssd.decoding.text import TextCodec
     codec = TextCodec(tdir)
     datasets = pr.datasets.split(",")

@@ -2,7 +2,8 @@
 
 Rooms, with data flowing one way (serving -> decoding -> workers -> algorithm/engine):
 
-- ``algorithm/``  sampling, verification, fan-out, speculation cache, n-gram backup, policy, stats.
+- ``algorithm/``  sampling, verification, fan-out, speculation cache, n-gram backup, the round
+                  record, the cost model and the scheduler, request statistics.
                   Engine-agnostic, no Triton, no model code.
 - ``engine/``     the torch engine: a lean Llama/Qwen2 forward, per-sequence KV cache with prefix
                   reuse, rollback and tree (branch) decoding.

@@ -1,55 +1,154 @@
-"""How long one forward of an engine takes for a given number of rows, learned from the engines.
+"""The scheduler's prior: each choice's tokens/s per sequence, predicted from the engines' costs.
 
-Every engine reports (rows, seconds) for each forward it runs: decode steps, verifies, tree steps,
-and the drafter's prefills (the batch-invariant target leaves out forwards with a prefill, whose
-rows run as one large GEMM and cost far less per row than decode rows in its tiles). On CPU (and
-GPU) a forward is flat while it is bound by reading the weights and grows ~linearly once it is
-bound by compute, so a piecewise-linear curve through per-bucket running means (buckets are powers
-of two) is enough to compare modes that put different numbers of rows through the same engines.
+With K draft tokens, B speculation branches per sequence and b sequences decoding together:
+
+    AR        1 / T_t(b)
+    SD        E_sd(K) / (K T_d(b) + T_t(b(K+1)))
+    SSD(kind) [p E_hit(K) + (1-p) E_miss(K)] / (max(T_v, T_s) + (1 - p^b) T_backup(kind))
+              T_v = T_t(b(K+1)),  T_s = T_d(b(K+1)) + K T_d(bB)   (verify and speculation overlap)
+
+T_t, T_d: each engine's forward seconds by rows (StepCost). E(K) = 1 + a + ... + a^K from the
+per-position acceptance a of each draft source (cache, neural, fast). p: the share of rounds that
+start from a cache hit. A model-quality draft (cached or neural) is accepted far, so its outcome is
+hard to guess (p_m); an n-gram draft is mostly rejected at once, which the widest fan-out covers
+(p_f). With the fast backup a hit leads to a model-quality round and a miss to an n-gram round, so
+its share of hit rounds is the chain's p_f / (1 - p_m + p_f). The whole batch waits for any row
+that misses (1 - p^b), and the tree puts b B rows through the drafter per step: SSD's edge shrinks
+as b grows, and the formulas say where SD and AR take over.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
+from .estimators import Acceptance, Ema
+from .rounds import Choice, RoundRecord
+
 
 @dataclass
 class StepCost:
-    alpha: float = 0.2  # weight of a new sample in its bucket's running mean
-    # Rows a forward may hold and still cost what one row does, when nothing above the measured
-    # ones is known: the weight-bound regime (on this CPU's bf16 GEMM it spans 2..32 rows; on a GPU
-    # it is far wider, so this errs on the dear side there). Extrapolating linearly from a 2-row
-    # forward priced a 5-row speculation tree at 2.5 steps before any SSD round had run, and the
-    # policy kept SD at batch 1 where SSD runs 1.3x faster.
-    flat_rows: int = 32
-    buckets: dict[int, list[float]] = field(default_factory=dict)  # log2 bucket -> [mean rows, mean s, n]
+    """One engine's seconds per forward as a function of rows: per-bucket (powers of two) running
+    means joined piecewise-linearly. A forward is flat while it reads weights and linear once it
+    computes, which is all it takes to compare choices that put different rows through one engine."""
+
+    flat_rows: int = 32  # rows a forward may hold at one row's cost when nothing larger was measured
+    alpha: float = 0.2
+    buckets: dict[int, list[float]] = field(default_factory=dict)  # log2 bucket -> [mean rows, mean s]
 
     def observe(self, rows: int, seconds: float) -> None:
         if rows <= 0 or seconds <= 0:
             return
-        key = int(round(math.log2(rows)))
-        b = self.buckets.get(key)
-        if b is None:
-            self.buckets[key] = [float(rows), float(seconds), 1]
-            return
+        b = self.buckets.setdefault(round(math.log2(rows)), [float(rows), float(seconds)])
         b[0] += self.alpha * (rows - b[0])
         b[1] += self.alpha * (seconds - b[1])
-        b[2] += 1
 
     @property
     def known(self) -> bool:
         return bool(self.buckets)
 
     def __call__(self, rows: float) -> float:
-        """Predicted seconds for one forward of ``rows`` rows (0 when nothing was measured yet)."""
-        pts = sorted((r, s) for r, s, _ in self.buckets.values())
+        pts = sorted(tuple(b) for b in self.buckets.values())
         if not pts or rows <= 0:
             return 0.0
         if rows <= pts[0][0]:
-            return pts[0][1]  # below the smallest measured forward: weight-bound, flat
+            return pts[0][1]
         for (r0, s0), (r1, s1) in zip(pts, pts[1:]):
             if rows <= r1:
                 return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
         r, s = pts[-1]
-        # beyond every measurement: flat up to flat_rows, then compute-bound (linear in rows)
         return s * max(1.0, rows / max(r, self.flat_rows))
+
+
+@dataclass
+class CostModel:
+    tree_slack: float = 0.25  # share of a verify the speculation tree's extra branches may cost
+    k_margin: float = 0.10  # a shorter K must predict this much more (per-round costs the formulas omit)
+    target: StepCost = field(default_factory=StepCost)
+    drafter: StepCost = field(default_factory=StepCost)
+    accept: dict = field(default_factory=lambda: {"cache": Acceptance(0.7), "neural": Acceptance(0.7),
+                                                   "fast": Acceptance(0.25)})
+    p_hit: dict = field(default_factory=lambda: {"model": Ema(0.6), "fast": Ema(0.8)})  # by verified draft
+    t_fast: Ema = field(default_factory=lambda: Ema(0.002))  # seconds per n-gram backup call
+
+    @property
+    def known(self) -> bool:
+        return self.target.known and self.drafter.known
+
+    def rates(self, batch: int, k: int, budget: int) -> dict[str, float]:
+        """Each choice's tokens/s per sequence (all 0 until both engines reported a forward)."""
+        if not self.known:
+            return {c: 0.0 for c in Choice}
+        b, T_t, T_d = max(batch, 1), self.target, self.drafter
+        t_v = T_t(b * (k + 1))
+        t_s = T_d(b * (k + 1)) + k * T_d(b * budget)
+        e_sd = self.accept["neural"].tokens(k)
+        e_hit = self.accept["cache"].tokens(k) if self.accept["cache"].count else e_sd
+        out = {Choice.AR: 1 / T_t(b), Choice.SD: e_sd / (k * T_d(b) + t_v)}
+        for c in (Choice.SSD_NEURAL, Choice.SSD_FAST):
+            p = self.hit_share(c.backup)
+            tokens = p * e_hit + (1 - p) * self.accept[c.backup].tokens(k)
+            out[c] = tokens / (max(t_v, t_s) + (1 - p ** b) * self.backup_seconds(c.backup, b, k))
+        return out
+
+    def rates_at(self, batch: int, k: int, budget: int, ks: dict | None) -> dict[str, float]:
+        """``rates`` with each choice at its own K (``ks``) and that K's tree budget; None: all at ``k``."""
+        if ks is None:
+            return self.rates(batch, k, budget)
+        at = {kc: self.rates(batch, kc, self.tree_budget(batch, kc, budget)) for kc in set(ks.values())}
+        return {c: at[kc][c] for c, kc in ks.items()}
+
+    def best_k(self, batch: int, k_max: int, budget: int) -> dict[str, int]:
+        """Each choice's K <= ``k_max`` with the most predicted tokens/s (with its tree budget).
+        SSD's round lasts max(verify, speculation) and the speculation grows with K while a short
+        verify costs what one row does, so SSD's best K can be shorter than SD's."""
+        best: dict = {}
+        for k in range(k_max, 0, -1):
+            for c, r in self.rates(batch, k, self.tree_budget(batch, k, budget)).items():
+                if c not in best or r > best[c][1] * (1 + self.k_margin):
+                    best[c] = (k, r)
+        return {c: k for c, (k, _) in best.items()}
+
+    def tree_budget(self, batch: int, k: int, budget: int) -> int:
+        """The largest B <= ``budget`` whose tree costs the drafter at most ``tree_slack`` of a
+        verify more than the smallest tree (B = K + 1): free branches while the drafter reads
+        weights, fewer once b B rows make it compute-bound. Fewer branches lower the hit rate,
+        never the output."""
+        floor = k + 1
+        if budget <= floor or not self.known:
+            return budget
+        b = max(batch, 1)
+        base, allowance = self.drafter(b * floor), self.tree_slack * self.target(b * (k + 1)) / k
+        return next((B for B in range(budget, floor, -1) if self.drafter(b * B) - base <= allowance), floor)
+
+    def hit_share(self, backup: str) -> float:
+        p_m, p_f = self.p_hit["model"].value, self.p_hit["fast"].value
+        return p_m if backup == "neural" else p_f / max(1.0 - p_m + p_f, 1e-9)
+
+    def backup_seconds(self, backup: str, batch: int, k: int) -> float:
+        """What a round that misses waits for: K drafter steps over the expected missing rows, or
+        one n-gram lookup."""
+        if backup == "fast":
+            return self.t_fast.value
+        return k * self.drafter(max(1.0, (1 - self.hit_share(backup)) * max(batch, 1)))
+
+    def b_star(self, k: int, budget: int, max_batch: int = 256) -> int | None:
+        """Smallest batch at which the fast backup predicts more than the neural one."""
+        if not self.known:
+            return None
+        return next((b for b in range(1, max_batch + 1)
+                     if (r := self.rates(b, k, budget))[Choice.SSD_FAST] > r[Choice.SSD_NEURAL]), None)
+
+    def learn(self, rec: RoundRecord) -> None:
+        """Engine costs, acceptance per draft source and hit rate per verified draft, from one round."""
+        for curve, timing in ((self.target, rec.target_timing), (self.drafter, rec.drafter_timing)):
+            for rows, seconds in timing:
+                curve.observe(rows, seconds)
+        source = "neural" if rec.source == "draft" else rec.source
+        if source in ("cache", "neural") and rec.drafted:
+            self.accept[source].update(rec.tokens - 1, rec.drafted)
+        # the n-gram lookup is scored on every round, whichever source drafted it
+        self.accept["fast"].update(rec.ngram_accepted, rec.ngram_drafted)
+        if rec.hit is not None:
+            self.p_hit["fast" if rec.source == "fast" else "model"].update(float(rec.hit))
+        if rec.source == "fast" and rec.draft_seconds > 0:
+            self.t_fast.update(rec.draft_seconds)

@@ -1,14 +1,14 @@
-"""Per-request statistics and the speedup model they feed.
+"""One request's statistics, added up from its rounds' records (rounds.RoundRecord).
 
-Times are wall seconds measured by the orchestrator around each call. The speedup model (time in
-units of one target verify T_v):  speedup = [p E_hit + (1-p) E_miss] / [p max(1, T_p) + (1-p)(1 + T_b)]
-where E_* are tokens produced per round (accepted + 1), T_p the drafter's speculation time and T_b
-the backup's drafting time, both relative to T_v. For SD: E_SD / (1 + T_SD).
+Times are wall seconds measured around each call; T_p, T_b and T_sd_draft are the speculation's,
+the backup's and SD's drafting time relative to one verify (T_v).
 """
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+
+from .rounds import Choice, RoundRecord
 
 
 @dataclass
@@ -37,27 +37,37 @@ class RequestStats:
     backup_reasons: Counter = field(default_factory=Counter)
     budgets: Counter = field(default_factory=Counter)  # fan-out budget B -> SSD rounds run with it
     decisions: Counter = field(default_factory=Counter)  # "choice: reason" per round (ssd+neural, sd, ar...)
-    draft_lens: Counter = field(default_factory=Counter)  # K -> rounds that drafted K tokens (SpeedupModel.best_k)
-    last_rates: dict = field(default_factory=dict)  # the policy's predicted tokens/s per choice, last round
+    draft_lens: Counter = field(default_factory=Counter)  # K -> rounds that drafted K tokens (CostModel.best_k)
+    last_rates: dict = field(default_factory=dict)  # the scheduler's estimated tokens/s per choice, last round
+    predicted_rate: float = 0.0  # ... and for the choice that ran
     degraded: str = ""  # set when a drafter failed and the request went on without it
 
-    def record_decision(self, choice: str, reason: str, rates: dict, k: int = 0) -> None:
-        self.decisions[f"{choice}: {reason}"] += 1
-        if k:
-            self.draft_lens[k] += 1
-        if rates:
-            self.last_rates = rates
-
-    def record_verify_call(self, round_trip: float, timing: list) -> None:
-        if timing:
-            self.n_verify_timed += 1
-            self.t_verify_timed += round_trip
-            self.t_verify_forward += sum(s for _, s in timing)
-
-    def record_round(self, produced: int, source: str) -> None:
+    def add(self, rec: RoundRecord, rates: dict) -> None:
+        """One round of this request (``rates``: the scheduler's estimates that round)."""
         self.rounds += 1
-        self.tokens_per_round.append(produced)
-        self.source_per_round.append(source)
+        self.tokens_per_round.append(rec.tokens)
+        self.source_per_round.append(rec.source)
+        self.decisions[f"{rec.choice}: {rec.reason}"] += 1
+        if rec.choice != Choice.AR:
+            self.draft_lens[rec.k] += 1
+        if rates:
+            self.last_rates = {str(c): r for c, r in rates.items()}
+            self.predicted_rate = rates.get(rec.choice, 0.0)
+        self.t_verify += rec.verify_seconds
+        self.t_speculate += rec.speculate_seconds
+        if rec.choice.mode == "ssd" and rec.source in ("neural", "fast"):
+            self.t_backup += rec.draft_seconds
+            self.backup_reasons[f"{rec.choice.backup}: {rec.reason}"] += 1
+        elif rec.choice.mode == "sd":
+            self.t_draft += rec.draft_seconds
+        if rec.target_timing:
+            self.n_verify_timed += 1
+            self.t_verify_timed += rec.verify_seconds
+            self.t_verify_forward += sum(s for _, s in rec.target_timing)
+        if rec.hit is not None:
+            self.budgets[rec.budget] += 1
+            self.hits += rec.hit
+            self.misses += not rec.hit
 
     @staticmethod
     def _mean(xs: list[int]) -> float:
@@ -75,12 +85,8 @@ class RequestStats:
         t_d = (self.t_draft / max(self.rounds, 1)) / t_v if t_v else 0.0
         e_all = self._mean(self.tokens_per_round)
         e_hit, e_miss = self._mean(hit_rounds), self._mean(miss_rounds)
-        if self.mode == "ssd" and lookups:
-            predicted = (p_hit * e_hit + (1 - p_hit) * e_miss) / (p_hit * max(1.0, t_p) + (1 - p_hit) * (1 + t_b))
-        elif self.mode == "sd":
-            predicted = e_all / (1 + t_d)
-        else:
-            predicted = 1.0
+        # the scheduler's estimate for the last round's choice, in tokens per target verify
+        predicted = self.predicted_rate * t_v
         # decode rate: output tokens after the first (which the prefill produced) over decode time
         decode_tps = max(self.new_tokens - 1, 0) / self.decode_s if self.decode_s > 0 else 0.0
         return {

@@ -15,9 +15,10 @@ import uuid
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ..algorithm.policy import CHOICES, ModePolicy
+from ..algorithm.scheduler import Scheduler
+from ..config import ServerConfig
 from ..decoding.coalescer import CoalescingClient
-from ..decoding.generator import DecodeConfig, Generation, SharedState
+from ..decoding.generator import Generation, SharedState
 from ..decoding.stopping import StopChecker
 from ..decoding.text import TextCodec
 from .bls_client import BLSClient
@@ -26,41 +27,24 @@ from .request_io import parse_request
 from .roles import resolve_engine_dir
 
 
-def _p(params: dict[str, str], key: str, default: str) -> str:
-    return params.get(key) or default
-
-
 class OrchestratorModel:
     def __init__(self, config: dict, params: dict[str, str]):
-        self.codec = TextCodec(resolve_engine_dir(params["tokenizer"]))
-        self.defaults = DecodeConfig(
-            mode=_p(params, "default_mode", "ssd"), k=int(_p(params, "num_draft_tokens", "4")),
-            fanout_budget=int(_p(params, "fanout_budget", "12")), fanout_shape=_p(params, "fanout_shape", "geometric"),
-            saguaro_c=float(_p(params, "saguaro_c", "1.0")), backup=_p(params, "backup", "auto"),
-            step_aside=_p(params, "step_aside", "true").lower() == "true",
-            adaptive_k=_p(params, "adaptive_k", "true").lower() == "true")
-        self.defaults.validate()
-        forced, force_mode = _p(params, "force_backup", ""), _p(params, "force_mode", "")
-        if forced not in ("", "neural", "fast"):
-            raise ValueError(f"parameter force_backup must be '', 'neural' or 'fast', got {forced!r}")
-        if force_mode not in ("",) + CHOICES:
-            raise ValueError(f"parameter force_mode must be '' or one of {CHOICES}, got {force_mode!r}")
-        self.shared = SharedState(policy=ModePolicy(forced_backup=forced or None, forced_mode=force_mode or None),
-                                  max_verify_rows=int(_p(params, "max_verify_rows", "32")))
+        self.cfg = cfg = ServerConfig.from_parameters(params)
+        self.codec = TextCodec(resolve_engine_dir(cfg.tokenizer))
+        self.defaults = cfg.decode_defaults()
+        self.shared = SharedState(policy=Scheduler(forced_mode=cfg.force_mode or None,
+                                                   forced_backup=cfg.force_backup or None),
+                                  max_verify_rows=cfg.max_verify_rows)
         trace = os.environ.get("SSD_POLICY_TRACE")
         self._trace_file = None
-        if trace:  # one JSON line per policy decision and per measured round
+        if trace:  # one JSON line per scheduler decision and per measured round
             self._trace_file = open(trace, "a", buffering=1)
             self.shared.policy.trace = lambda ev: self._trace_file.write(
                 json.dumps({"t": round(time.time(), 3), **ev}) + "\n")
-        self.default_max_tokens = int(_p(params, "default_max_tokens", "128"))
-        self.max_tokens_limit = int(_p(params, "max_tokens_limit", "2048"))
-        self.max_seq_len = int(_p(params, "max_seq_len", "4096"))
-        self.max_active = int(_p(params, "max_active_requests", "32"))
         # concurrent sequences reach the engines together (see decoding/coalescer.py); 0 disables
-        window_ms = float(_p(params, "coalesce_window_ms", "50"))
         self.client = CoalescingClient(BLSClient(), expected=lambda: self.shared.active,
-                                       max_window=window_ms / 1000) if window_ms > 0 else BLSClient()
+                                       max_window=cfg.coalesce_window_ms / 1000) \
+            if cfg.coalesce_window_ms > 0 else BLSClient()
         self.metrics = Metrics()
         self.active = 0
 
@@ -87,19 +71,19 @@ class OrchestratorModel:
     async def _handle(self, request) -> None:
         sender = request.get_response_sender()
         try:
-            req = parse_request(request, self.defaults, self.default_max_tokens, self.max_tokens_limit)
+            req = parse_request(request, self.defaults, self.cfg.default_max_tokens, self.cfg.max_tokens_limit)
             prompt = self.codec.encode_prompt(req.text, req.apply_chat_template)
-            if len(prompt) + req.max_tokens > self.max_seq_len:
+            if len(prompt) + req.max_tokens > self.cfg.max_seq_len:
                 raise ValueError(f"input 'max_tokens': prompt ({len(prompt)} tokens) + max_tokens ({req.max_tokens}) "
-                                 f"exceeds the maximum sequence length {self.max_seq_len}")
+                                 f"exceeds the maximum sequence length {self.cfg.max_seq_len}")
         except ValueError as e:
             self.metrics.request_done("invalid", "invalid", None, None)
             self._error(sender, str(e))
             return
-        if self.active >= self.max_active:
+        if self.active >= self.cfg.max_active_requests:
             self.metrics.busy()
             self._error(sender, f"server busy: {self.active} requests decoding (max_active_requests="
-                                f"{self.max_active}); retry later")
+                                f"{self.cfg.max_active_requests}); retry later")
             return
         self.active += 1
         self.metrics.set_active(self.active)
@@ -127,14 +111,14 @@ class OrchestratorModel:
             gen.stats.new_tokens = len(checker.tokens)  # what the client got, after stop conditions
             stats = gen.stats.to_dict()
             pol, dc = self.shared.policy, req.decode
-            stats["b_star"] = pol.b_star(dc.k, dc.fanout_budget)
+            stats["b_star"] = pol.model.b_star(dc.k, dc.fanout_budget)
             # counters first: a client that reads /metrics right after its response sees itself
             self.metrics.request_done(req.decode.mode, status, stats, stats["b_star"])
             b, k_now = max(self.active, 1), self.shared.round_k(dc.k)
             rates = {}
             if pol.model.known:  # at each choice's K, as the next round sees them
-                rates = pol.rates(b, k_now, dc.fanout_budget, pol.model.best_k(b, k_now, dc.fanout_budget))
-            self.metrics.policy_state(pol.current, rates)
+                rates, _ = pol.estimates(b, k_now, dc.fanout_budget, pol.model.best_k(b, k_now, dc.fanout_budget))
+            self.metrics.policy_state(str(pol.current), {str(c): r for c, r in rates.items()})
             if status == "cancelled":
                 sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             else:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import triton_python_backend_utils as pb_utils
 
 from ..algorithm.sampling import SamplingParams
-from ..decoding.generator import BACKUPS, MODES, DecodeConfig
+from ..config import DecodeConfig
 
 
 @dataclass
@@ -80,24 +80,19 @@ def parse_request(request, defaults: DecodeConfig, default_max_tokens: int, max_
     stop_arr = _value(request, "stop")
     stop = [s.decode("utf-8") if isinstance(s, bytes) else str(s) for s in stop_arr] if stop_arr is not None else []
     stop = [s for s in stop if s]
-    mode = _scalar(request, "mode", str, defaults.mode).lower()
-    _check(mode in MODES, "mode", f"must be one of {', '.join(MODES)}, got {mode!r}")
-    backup = _scalar(request, "backup", str, defaults.backup).lower()
-    _check(backup in BACKUPS, "backup", f"must be one of {', '.join(BACKUPS)}, got {backup!r}")
     k = _scalar(request, "num_draft_tokens", int, defaults.k)
-    _check(1 <= k <= 7, "num_draft_tokens", f"must be in 1..7, got {k}")
-    budget = _scalar(request, "fanout_budget", int, max(defaults.fanout_budget, k + 1))
-    _check(k + 1 <= budget <= 64, "fanout_budget", f"must be in {k + 1}..64 (at least num_draft_tokens + 1), got {budget}")
-    shape = _scalar(request, "fanout_shape", str, defaults.fanout_shape)
-    _check(shape in ("uniform", "geometric"), "fanout_shape", f"must be 'uniform' or 'geometric', got {shape!r}")
-    c = _scalar(request, "saguaro_c", float, defaults.saguaro_c)
-    _check(0.0 <= c <= 1.0, "saguaro_c", f"must be in [0, 1], got {c}")
-    step_aside = _scalar(request, "step_aside", bool, defaults.step_aside)
-    adaptive_k = _scalar(request, "adaptive_k", bool, defaults.adaptive_k)
+    decode = DecodeConfig(
+        mode=_scalar(request, "mode", str, defaults.mode).lower(), k=k,
+        fanout_budget=_scalar(request, "fanout_budget", int, max(defaults.fanout_budget, k + 1)),
+        fanout_shape=_scalar(request, "fanout_shape", str, defaults.fanout_shape),
+        saguaro_c=_scalar(request, "saguaro_c", float, defaults.saguaro_c),
+        backup=_scalar(request, "backup", str, defaults.backup).lower(),
+        step_aside=_scalar(request, "step_aside", bool, defaults.step_aside),
+        adaptive_k=_scalar(request, "adaptive_k", bool, defaults.adaptive_k))
+    decode.validate()  # the same limits as the server's defaults (config.py)
     return GenerateRequest(
         text=text, max_tokens=max_tokens, params=SamplingParams(temperature, top_p, top_k), seed=seed,
         stop=stop, stream=_scalar(request, "stream", bool, False),
         apply_chat_template=_scalar(request, "apply_chat_template", bool, True),
-        decode=DecodeConfig(mode=mode, k=k, fanout_budget=budget, fanout_shape=shape, saguaro_c=c, backup=backup,
-                            step_aside=step_aside, adaptive_k=adaptive_k),
+        decode=decode,
     )

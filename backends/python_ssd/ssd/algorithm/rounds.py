@@ -1,0 +1,77 @@
+"""What one decoding round is (RoundRecord) and the choices a round can make (Choice).
+
+Every round of every request produces one record; the server's learner (``Learner``) takes it and
+hands it to each estimate that learns from rounds, and the request's statistics add it up.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Choice(str, Enum):
+    """What a round runs: the mode and, for SSD, what drafts after a cache miss."""
+
+    SSD_NEURAL = "ssd+neural"
+    SSD_FAST = "ssd+fast"
+    SD = "sd"
+    AR = "ar"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def mode(self) -> str:
+        return self.value.partition("+")[0]
+
+    @property
+    def backup(self) -> str:
+        return self.value.partition("+")[2] or "neural"
+
+    def switch_is_free(self, other: "Choice") -> bool:
+        """The two SSD choices share the speculation and its cache and differ only after a miss;
+        any other change costs a round (the drafter catches up, no cached draft)."""
+        return self.mode == other.mode == "ssd"
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    choice: Choice
+    reason: str  # why the scheduler chose it (policy | explore | forced | request | warmup | drafter down)
+    k: int  # tokens the round could draft
+    budget: int  # speculation branches (0: no speculation)
+    batch: int  # sequences decoding when the round began
+    tokens: int  # tokens it produced: the accepted ones plus the target's own
+    seconds: float  # wall time, draft to accepted block
+    source: str  # where its draft came from: cache | neural | fast | draft (SD) | none (AR)
+    drafted: int  # draft tokens verified
+    hit: bool | None  # whether the verified outcome was pre-drafted (None: nothing was speculated)
+    target_timing: tuple = ()  # the engines' forwards as (rows, seconds)
+    drafter_timing: tuple = ()
+    verify_seconds: float = 0.0  # round trip of the verify call
+    speculate_seconds: float = 0.0
+    draft_seconds: float = 0.0  # SD's draft or a backup's, when the round had no cached draft
+    ngram_accepted: int = 0  # what the n-gram lookup would have had accepted here, scored for free
+    ngram_drafted: int = 1
+    fanout_at_outcome: int = 0  # branches pre-drafted at the accepted depth (the fan-out fit)
+    after_switch: bool = False  # the request's first round after a costly change of choice
+
+    @property
+    def accepted(self) -> int:
+        return self.tokens - 1
+
+
+class Learner:
+    """Takes every round's record to the estimates that learn from it: the cost model (engine
+    costs, acceptance, hit rates), the scheduler's measured rates and the fan-out fit."""
+
+    def __init__(self, scheduler, fanout):
+        self.scheduler, self.fanout = scheduler, fanout
+
+    def observe(self, rec: RoundRecord) -> None:
+        self.scheduler.model.learn(rec)
+        self.scheduler.observe(rec)
+        if rec.drafted:
+            self.fanout.record_round(rec.accepted, rec.drafted)
+        if rec.hit is not None:
+            self.fanout.record_lookup(rec.fanout_at_outcome, rec.hit)

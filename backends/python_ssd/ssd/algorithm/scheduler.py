@@ -1,0 +1,157 @@
+"""Which choice (mode, backup, K) the batch's next round runs: a discounted-UCB bandit with a prior.
+
+Each round the batch asks once. For every choice at the current batch size b:
+- the prior is the cost model's predicted tokens/s per sequence (cost_model.py), scaled by what
+  the formulas miss (Python, IPC, sampling): measured tokens over the prior's tokens in the same
+  seconds, pooled over the choices measured at this batch size;
+- the record is the choice's own discounted tokens and seconds per (choice, batch-size bucket):
+  every round multiplies old rounds by ``discount``, so the record follows the machine's drift and
+  a choice not run for a while falls back to its prior;
+- the estimate blends the two, the prior weighing ``prior_rounds`` rounds;
+- the score adds discounted UCB's bonus, explore * best * sqrt(log n_total / n_choice): a choice
+  whose estimate is close to the best and whose record is thin gets tried, one far below does not.
+The highest score runs, but a change of choice must beat the current one's score by
+``hysteresis`` (a change costs a round without a cached draft), except between the two SSD
+backups, which share the speculation. With ``adaptive_k`` each choice runs its own best K.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .cost_model import CostModel, StepCost
+from .rounds import Choice, RoundRecord
+
+
+@dataclass
+class PolicyConfig:
+    discount: float = 0.995  # per round: follows drift within ~100 rounds, re-tries a losing choice as rarely
+    prior_rounds: float = 1.0  # the cost model's prediction counts as one measured round: it ranks roughly
+    explore: float = 0.35  # UCB width, a share of the best estimate: tries a choice whose prior is close
+    hysteresis: float = 0.1  # a costly change must predict this much more: it pays a round without a cached draft
+    tree_slack: float = 0.25  # share of a verify the speculation tree's extra branches may cost
+    k_margin: float = 0.10  # a shorter K must predict this much more: per-round costs favour fewer rounds
+    flat_rows: int = 32  # rows a forward holds at one row's cost when nothing larger was measured
+
+
+@dataclass
+class Decision:
+    choice: Choice
+    reason: str  # policy | explore | forced | request | warmup | drafter down
+    rates: dict = field(default_factory=dict)  # estimated tokens/s per sequence, per choice
+    ks: dict = field(default_factory=dict)  # each choice's K this round (empty: the request's)
+
+    @property
+    def mode(self) -> str:
+        return self.choice.mode
+
+    @property
+    def backup(self) -> str:
+        return self.choice.backup
+
+
+@dataclass
+class Discounted:
+    """Tokens, seconds and weight of a choice's rounds, each old round multiplied by the discount
+    once per scheduler round."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    weight: float = 0.0
+    at: int = 0
+
+    def decayed(self, now: int, discount: float) -> "Discounted":
+        f = discount ** max(now - self.at, 0)
+        return Discounted(self.tokens * f, self.seconds * f, self.weight * f, now)
+
+    def add(self, tokens: float, seconds: float, weight: float) -> None:
+        self.tokens += weight * tokens
+        self.seconds += weight * seconds
+        self.weight += weight
+
+
+def bucket(batch: int) -> int:
+    """Batch sizes 1 | 2 | 3-5 | 6-11 | 12-22 | ...: centred on powers of two, where load settles."""
+    return round(math.log2(max(batch, 1)))
+
+
+class Scheduler:
+    def __init__(self, config: PolicyConfig | None = None, forced_mode: str | None = None,
+                 forced_backup: str | None = None, trace=None):
+        self.cfg = cfg = config or PolicyConfig()
+        self.model = CostModel(cfg.tree_slack, cfg.k_margin, StepCost(cfg.flat_rows), StepCost(cfg.flat_rows))
+        self.forced_mode, self.forced_backup = forced_mode, forced_backup
+        self.trace = trace  # callable(dict): every decision and measured round (SSD_POLICY_TRACE)
+        self.current = Choice.SSD_NEURAL
+        self.rounds = 0  # decided rounds of the batch
+        self.records: dict[tuple[Choice, int], Discounted] = {}
+        self._round: Decision | None = None  # this round's decision, shared by every sequence asking
+        self._asked: set = set()
+
+    def choose(self, batch: int, k: int, budget: int, allowed=tuple(Choice), seq: str | None = None,
+               adaptive_k: bool = False) -> Decision:
+        """The choice for sequence ``seq``'s next round among ``allowed``. A round of the batch
+        starts when a sequence asks again (or ``seq`` is None); every sequence asking within it
+        gets the same answer, so a change moves the whole batch at once."""
+        allowed = tuple(Choice(c) for c in allowed)
+        if self.forced_mode and Choice(self.forced_mode) in allowed:
+            return Decision(Choice(self.forced_mode), "forced")
+        if self.forced_backup:
+            allowed = tuple(c for c in allowed if c.mode != "ssd" or c.backup == self.forced_backup) or allowed
+        if len(allowed) == 1:
+            rates = self.model.rates(batch, k, budget) if self.model.known else {}
+            return Decision(allowed[0], "forced" if self.forced_backup else "request", rates)
+        if not self.model.known:
+            return Decision(self.current if self.current in allowed else allowed[0], "warmup")
+        if seq is None or seq in self._asked or self._round is None:
+            self._asked.clear()
+            self._round = self._next_round(batch, k, budget, allowed, adaptive_k)
+        self._asked.add(seq)
+        d = self._round
+        choice = d.choice if d.choice in allowed else max(allowed, key=lambda c: d.rates[c])
+        return Decision(choice, d.reason if choice == d.choice else "policy", d.rates, d.ks)
+
+    def estimates(self, batch: int, k: int, budget: int, ks: dict | None = None):
+        """(estimated tokens/s, weight in rounds) per choice at this batch size (see the top)."""
+        prior = self.model.rates_at(batch, k, budget, ks)
+        recs = {c: self.records.get((c, bucket(batch)), Discounted()).decayed(self.rounds, self.cfg.discount)
+                for c in Choice}
+        expected = sum(prior[c] * r.seconds for c, r in recs.items())
+        scale = min(max(sum(r.tokens for r in recs.values()) / expected, 0.1), 10.0) if expected > 0 else 1.0
+        p = self.cfg.prior_rounds
+        est = {c: (p * scale * prior[c] + r.tokens / max(r.seconds, 1e-9) * r.weight) / (p + r.weight)
+               for c, r in recs.items()}
+        return est, {c: p + r.weight for c, r in recs.items()}
+
+    def _next_round(self, batch: int, k: int, budget: int, allowed: tuple, adaptive_k: bool) -> Decision:
+        self.rounds += 1
+        ks = self.model.best_k(batch, k, budget) if adaptive_k else None
+        est, n = self.estimates(batch, k, budget, ks)
+        top = max(est[c] for c in allowed)
+        width = self.cfg.explore * top * math.sqrt(math.log(sum(n[c] for c in allowed)))
+        score = {c: est[c] + width / math.sqrt(n[c]) for c in allowed}
+        best = max(allowed, key=score.get)
+        cur = self.current if self.current in allowed else best
+        if not cur.switch_is_free(best) and score[best] <= score[cur] * (1 + self.cfg.hysteresis):
+            best = cur
+        reason = "policy" if best == cur or est[best] >= top else "explore"
+        self.current = best
+        if self.trace:
+            self.trace({"ev": "decide", "round": self.rounds, "batch": batch, "k": k, "budget": budget,
+                        "choice": best.value, "reason": reason, "ks": {c.value: v for c, v in (ks or {}).items()},
+                        "est": {c.value: round(v, 3) for c, v in est.items()},
+                        "score": {c.value: round(v, 3) for c, v in score.items()}})
+        return Decision(best, reason, est, dict(ks or {}))
+
+    def observe(self, rec: RoundRecord) -> None:
+        """A round's tokens and seconds join its choice's record at its batch size; every sequence
+        of the batch reports the same round, so together they weigh one. A round right after a
+        costly change measures the change, not the choice, and is left out."""
+        if rec.after_switch or rec.seconds <= 0:
+            return
+        key = (Choice(rec.choice), bucket(rec.batch))
+        r = self.records[key] = self.records.get(key, Discounted()).decayed(self.rounds, self.cfg.discount)
+        r.add(rec.tokens, rec.seconds, 1.0 / max(rec.batch, 1))
+        if self.trace:
+            self.trace({"ev": "round", "choice": rec.choice.value, "batch": rec.batch, "k": rec.k,
+                        "tokens": rec.tokens, "s": round(rec.seconds, 4), "source": rec.source})

@@ -1,0 +1,135 @@
+"""The orchestrator's settings: every default and limit in one place, checked once.
+
+``ServerConfig`` holds what `model_repository/ssd/config.pbtxt` may set; each `parameters` entry
+overrides the field of the same name (``ServerConfig.from_parameters``). ``DecodeConfig`` is one
+request's decoding knobs; the server's defaults fill what a request leaves out, and the same
+``DecodeConfig.validate`` checks a request, the defaults and what the benches send.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Callable
+
+MODES = ("ar", "sd", "ssd")
+BACKUPS = ("auto", "neural", "fast")
+FANOUT_SHAPES = ("uniform", "geometric")
+CHOICE_NAMES = ("ssd+neural", "ssd+fast", "sd", "ar")  # what force_mode may pin (scheduler.Choice)
+# K: a round verifies K + 1 rows per sequence; past 7 the acceptance^K tail adds almost nothing and
+# the verify leaves the batch-invariant target's 32-row tile at 4 sequences already
+K_MIN, K_MAX = 1, 7
+# B: branches the drafter pre-drafts per sequence; each is a tree row every speculation step
+BUDGET_MAX = 64
+
+# the request input each DecodeConfig field is read from, where the names differ
+_INPUT_NAMES = {"k": "num_draft_tokens"}
+
+
+@dataclass
+class DecodeConfig:
+    mode: str = "ssd"
+    k: int = 4  # num_draft_tokens; with adaptive_k the most a round drafts
+    fanout_budget: int = 12  # the bench's budget sweep (docs/benchmarks.md: the defaults)
+    fanout_shape: str = "geometric"
+    saguaro_c: float = 1.0
+    backup: str = "auto"
+    step_aside: bool = True  # ssd only: the scheduler may run SD or AR rounds when they predict more
+    adaptive_k: bool = True  # ssd only: the scheduler picks each choice's K up to k
+
+    def allowed(self) -> tuple[str, ...]:
+        """The choices the scheduler may make for this request."""
+        if self.mode != "ssd":
+            return (self.mode,)
+        ssd = ("ssd+neural", "ssd+fast") if self.backup == "auto" else (f"ssd+{self.backup}",)
+        return ssd + (("sd", "ar") if self.step_aside else ())
+
+    def validate(self, label: Callable[[str], str] = lambda name: f"input '{name}'") -> None:
+        """Raises ValueError naming the offending field, as ``label`` spells it (a request input
+        by default; config.pbtxt's parameters for the server's defaults)."""
+        def check(ok: bool, field: str, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"{label(_INPUT_NAMES.get(field, field))}: {msg}")
+        check(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
+        check(self.backup in BACKUPS, "backup", f"must be one of {', '.join(BACKUPS)}, got {self.backup!r}")
+        check(K_MIN <= self.k <= K_MAX, "k", f"must be in {K_MIN}..{K_MAX}, got {self.k}")
+        check(self.k + 1 <= self.fanout_budget <= BUDGET_MAX, "fanout_budget",
+              f"must be in {self.k + 1}..{BUDGET_MAX} (at least num_draft_tokens + 1), got {self.fanout_budget}")
+        check(self.fanout_shape in FANOUT_SHAPES, "fanout_shape",
+              f"must be one of {', '.join(FANOUT_SHAPES)}, got {self.fanout_shape!r}")
+        check(0.0 <= self.saguaro_c <= 1.0, "saguaro_c", f"must be in [0, 1], got {self.saguaro_c}")
+
+
+@dataclass
+class ServerConfig:
+    tokenizer: str = "qwen2.5-coder-1.5b"  # engine folder whose tokenizer the server uses
+    default_mode: str = "ssd"
+    num_draft_tokens: int = 4
+    fanout_budget: int = 12
+    fanout_shape: str = "geometric"
+    saguaro_c: float = 1.0
+    backup: str = "auto"
+    step_aside: bool = True
+    adaptive_k: bool = True
+    force_backup: str = ""  # neural | fast: every SSD round uses it ("": the scheduler decides)
+    force_mode: str = ""  # one of CHOICE_NAMES pins every ssd round ("": the scheduler decides)
+    default_max_tokens: int = 128
+    max_tokens_limit: int = 2048
+    max_seq_len: int = 4096
+    coalesce_window_ms: float = 50.0  # longest a call waits for the batch's other calls (0: no barrier)
+    max_active_requests: int = 32
+    # K is lowered until batch x (K + 1) verify rows fit: the batch-invariant CPU target runs larger
+    # forwards as several GEMM tiles (0: no cap)
+    max_verify_rows: int = 32
+
+    @classmethod
+    def from_parameters(cls, params: dict[str, str], ignore: tuple[str, ...] = ("role",)) -> "ServerConfig":
+        """The defaults, overridden by config.pbtxt's string parameters of the same names (an
+        empty string keeps the default). An unknown name is an error: a typo must not pass silently."""
+        types = {f.name: f.type for f in fields(cls)}
+        values = {}
+        for name, raw in params.items():
+            if name in ignore:
+                continue
+            if name not in types:
+                raise ValueError(f"parameter '{name}': unknown (known: {', '.join(types)})")
+            if raw == "" and types[name] != "str":
+                continue
+            values[name] = _parse(name, raw, types[name])
+        cfg = replace(cls(), **values)
+        cfg.validate()
+        return cfg
+
+    def decode_defaults(self) -> DecodeConfig:
+        return DecodeConfig(mode=self.default_mode, k=self.num_draft_tokens, fanout_budget=self.fanout_budget,
+                            fanout_shape=self.fanout_shape, saguaro_c=self.saguaro_c, backup=self.backup,
+                            step_aside=self.step_aside, adaptive_k=self.adaptive_k)
+
+    def validate(self) -> None:
+        names = {"mode": "default_mode"}
+        self.decode_defaults().validate(lambda n: f"parameter '{names.get(n, n)}'")
+
+        def check(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"parameter '{name}': {msg}")
+        check(self.force_backup in ("", "neural", "fast"), "force_backup",
+              f"must be '', 'neural' or 'fast', got {self.force_backup!r}")
+        check(self.force_mode in ("",) + CHOICE_NAMES, "force_mode",
+              f"must be '' or one of {', '.join(CHOICE_NAMES)}, got {self.force_mode!r}")
+        check(self.default_max_tokens >= 1, "default_max_tokens", f"must be >= 1, got {self.default_max_tokens}")
+        check(self.default_max_tokens <= self.max_tokens_limit, "max_tokens_limit",
+              f"must be >= default_max_tokens ({self.default_max_tokens}), got {self.max_tokens_limit}")
+        check(self.max_tokens_limit < self.max_seq_len, "max_seq_len",
+              f"must exceed max_tokens_limit ({self.max_tokens_limit}), got {self.max_seq_len}")
+        check(self.coalesce_window_ms >= 0, "coalesce_window_ms", f"must be >= 0, got {self.coalesce_window_ms}")
+        check(self.max_active_requests >= 1, "max_active_requests", f"must be >= 1, got {self.max_active_requests}")
+        check(self.max_verify_rows >= 0, "max_verify_rows", f"must be >= 0, got {self.max_verify_rows}")
+
+
+def _parse(name: str, raw: str, kind: str):
+    try:
+        if kind == "bool":
+            if raw.lower() not in ("true", "false"):
+                raise ValueError
+            return raw.lower() == "true"
+        return {"int": int, "float": float, "str": str}[kind](raw)
+    except ValueError:
+        raise ValueError(f"parameter '{name}': expected a {kind}, got {raw!r}") from None

@@ -1,0 +1,120 @@
+"""Acceptance scenarios of the scheduler (engine-free: the cost model's engines are fed in, and
+each choice's rounds run at a chosen true rate): the prior decides until rounds are measured,
+measured rates follow drift, discounted UCB explores only what could win, hysteresis stops
+flapping, and one decision covers the whole batch's round."""
+from __future__ import annotations
+
+from ssd.algorithm.rounds import Choice
+from ssd.algorithm.scheduler import PolicyConfig, Scheduler, bucket
+
+from policy_setup import measured_scheduler, record, run_batch
+
+AR, SD, SSD_N, SSD_F = Choice.AR, Choice.SD, Choice.SSD_NEURAL, Choice.SSD_FAST
+
+
+def test_the_prior_picks_ssd_alone_and_steps_aside_as_the_batch_grows():
+    s = measured_scheduler()
+    assert s.choose(1, 4, 8).choice.mode == "ssd"
+    d = measured_scheduler().choose(64, 4, 8)
+    assert d.choice in (SD, AR) and d.reason == "policy" and set(d.rates) == set(Choice)
+    assert measured_scheduler(e_draft=1.1, e_hit=1.2, p_hit=0.3).choose(64, 4, 8).choice == AR
+
+
+def test_warm_up_pins_and_forced_modes():
+    s = Scheduler()
+    d = s.choose(8, 4, 8)
+    assert (d.choice, d.reason) == (SSD_N, "warmup")  # no engine has reported a forward yet
+    assert measured_scheduler().choose(8, 4, 8, ("sd",)).choice == SD  # a request pinned to sd
+    assert measured_scheduler().choose(8, 4, 8, ("sd",)).reason == "request"
+    assert Scheduler(forced_mode="ar").choose(1, 4, 8).choice == AR
+
+
+def test_measured_rates_overrule_the_prior_and_rescale_the_others():
+    """SD at batch 4 runs at half its prediction: its estimate goes to what it measured, and the
+    other choices' priors are scaled by the same shortfall (the formulas miss the same overheads)."""
+    s = measured_scheduler(discount=1.0)
+    prior = s.model.rates(4, 4, 8)
+    for _ in range(4 * 40):
+        s.observe(record(SD, 3, 3 / (0.5 * prior[SD]), batch=4))
+    est, n = s.estimates(4, 4, 8)
+    assert abs(est[SD] / prior[SD] - 0.5) < 1e-6
+    assert abs(est[AR] / prior[AR] - 0.5) < 1e-6 and n[AR] == s.cfg.prior_rounds
+    assert abs(n[SD] - s.cfg.prior_rounds - 40) < 1e-6  # 4 sequences reporting one round weigh one round
+    assert s.estimates(16, 4, 8)[0] == s.model.rates(16, 4, 8)  # another bucket: the prior alone
+
+
+def test_a_round_right_after_a_costly_switch_is_left_out():
+    s = measured_scheduler()
+    s.observe(record(SD, 3, 9.0, after_switch=True))
+    assert not s.records
+    s.observe(record(SD, 3, 1.0))
+    assert s.records[(SD, bucket(1))].weight == 1.0
+
+
+def test_explores_what_could_win_and_settles_on_the_fastest():
+    """True rates unlike the prior's ranking: SD runs fastest. The batch tries the close choices,
+    settles on SD, and spends few rounds on AR (far below it)."""
+    s = measured_scheduler()
+    true = {SSD_N: 2.0, SSD_F: 1.9, SD: 3.0, AR: 0.8}
+    seen = run_batch(s, true, batch=1, rounds=300)
+    assert s.current == SD
+    assert sum(d.choice == SD for d in seen[-100:]) >= 90
+    assert sum(d.choice == AR for d in seen) <= 6
+    assert any(d.reason == "explore" for d in seen)
+
+
+def test_a_slowdown_of_the_running_choice_moves_the_batch():
+    """AR runs best at batch 8 until the machine slows it to a third; the discount lets the
+    measurement follow, and the batch moves to SD, which was slower before and is now faster."""
+    s = measured_scheduler()
+    true = {SSD_N: 0.3, SSD_F: 0.3, SD: 1.6, AR: lambda i: 2.0 if i < 150 else 0.7}
+    seen = run_batch(s, true, batch=8, rounds=400, allowed=(SD, AR))
+    assert sum(d.choice == AR for d in seen[100:150]) >= 45
+    assert sum(d.choice == SD for d in seen[-100:]) >= 90
+
+
+def test_hysteresis_keeps_the_batch_between_close_choices():
+    """SD and AR run within 3% of each other: the batch does not flap between them."""
+    s = measured_scheduler()
+    seen = run_batch(s, {SSD_N: 0.3, SSD_F: 0.3, SD: 2.0, AR: 2.05}, batch=8, rounds=300, allowed=(SD, AR))
+    switches = sum(a.choice != b.choice for a, b in zip(seen, seen[1:]))
+    assert switches <= 10
+
+
+def test_the_ssd_backups_change_without_hysteresis():
+    s = measured_scheduler(hysteresis=10.0)  # no costly switch could ever pass
+    s.current = SSD_N
+    est = s.estimates(1, 4, 8)[0]
+    first = s.choose(1, 4, 8, (SSD_N, SSD_F)).choice
+    assert first == max((SSD_N, SSD_F), key=est.get)  # the free change happens when it scores more
+    s.current = SD
+    assert s.choose(1, 4, 8, (SSD_N, SD)).choice == SD
+
+
+def test_one_decision_per_round_of_the_batch():
+    """Every sequence asking within a round gets the round's choice; rounds are counted per batch."""
+    s = measured_scheduler()
+    for r in range(50):
+        picks = {s.choose(16, 4, 8, seq=f"s{i}").choice for i in range(16)}
+        assert len(picks) == 1
+    assert s.rounds == 50
+    # a request whose options exclude the round's choice gets its best allowed one, same round
+    d = s.choose(16, 4, 8, seq="s0")
+    other = next(c for c in Choice if c != d.choice)
+    assert s.choose(16, 4, 8, (other,), seq="s1").choice == other
+    assert s.rounds == 51
+
+
+def test_a_choice_far_below_the_best_is_never_tried():
+    """At 16 users SSD's tree costs several verifies: its prior is far below AR's and SD's, so the
+    batch rarely pays for an SSD round (each costs about half a round)."""
+    s = measured_scheduler()
+    prior = s.model.rates(16, 4, 8)
+    true = {c: prior[c] for c in Choice}
+    assert max(prior[SSD_N], prior[SSD_F]) < 0.6 * max(prior[SD], prior[AR])
+    seen = run_batch(s, true, batch=16, rounds=300)
+    assert sum(d.choice.mode == "ssd" for d in seen) <= 0.03 * len(seen)
+
+
+def test_the_config_has_few_tunables():
+    assert len(PolicyConfig.__dataclass_fields__) <= 8
