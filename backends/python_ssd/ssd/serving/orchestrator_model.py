@@ -16,6 +16,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..algorithm.policy import CHOICES, ModePolicy
+from ..decoding.admission import BudgetExceeded, KvBudget
 from ..decoding.coalescer import CoalescingClient
 from ..decoding.generator import DecodeConfig, Generation, SharedState
 from ..decoding.stopping import StopChecker
@@ -24,6 +25,10 @@ from .bls_client import BLSClient
 from .metrics import Metrics
 from .request_io import parse_request
 from .roles import resolve_engine_dir
+from .supervisor import EngineSupervisor, looks_like_engine_down
+
+# Triton maps these to HTTP 400 / 503 / 500 and gRPC INVALID_ARGUMENT / UNAVAILABLE / INTERNAL
+BAD_INPUT, UNAVAILABLE, INTERNAL = "INVALID_ARG", "UNAVAILABLE", "INTERNAL"
 
 
 def _p(params: dict[str, str], key: str, default: str) -> str:
@@ -63,6 +68,17 @@ class OrchestratorModel:
                                        max_window=window_ms / 1000) if window_ms > 0 else BLSClient()
         self.metrics = Metrics()
         self.active = 0
+        self.kv = KvBudget(int(_p(params, "kv_budget_tokens", "0")), float(_p(params, "kv_wait_s", "30")))
+        self.required_engine = "target"  # without it nothing decodes; a drafter's absence costs speed only
+        self.supervisor = None
+        engines = tuple(m for m in _p(params, "supervise_engines", "target,drafter_primary,drafter_backup").split(",") if m)
+        if engines and _p(params, "supervise", "true").lower() == "true":
+            self.supervisor = EngineSupervisor(
+                engines, unload=pb_utils.unload_model, load=pb_utils.load_model,
+                on_restart=self.metrics.engine_restarted, on_state=self.metrics.engine_state,
+                interval=float(_p(params, "supervise_interval_s", "0.5"))).start()
+            for m in engines:
+                self.metrics.engine_state(m, True)
 
     # -- helpers ----------------------------------------------------------------------------------
     @staticmethod
@@ -76,9 +92,20 @@ class OrchestratorModel:
         return pb_utils.InferenceResponse(output_tensors=outs)
 
     @staticmethod
-    def _error(sender, msg: str) -> None:
-        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(msg)),
+    def _error(sender, msg: str, code: str) -> None:
+        err = pb_utils.TritonError(msg, getattr(pb_utils.TritonError, code))
+        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=err),
                     flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _refusal(self, n_active: int) -> tuple[str, str] | None:
+        """Why a valid request cannot start now (message, code), or None."""
+        if self.supervisor is not None and not self.supervisor.is_up(self.required_engine):
+            return (f"engine '{self.required_engine}' is restarting after its process died; retry in a few seconds",
+                    UNAVAILABLE)
+        if n_active >= self.max_active:
+            return (f"server busy: {self.active} requests decoding and {self.kv.waiting} waiting "
+                    f"(max_active_requests={self.max_active}); retry later", UNAVAILABLE)
+        return None
 
     # -- the request loop ---------------------------------------------------------------------------
     async def execute(self, requests):
@@ -94,13 +121,29 @@ class OrchestratorModel:
                                  f"exceeds the maximum sequence length {self.max_seq_len}")
         except ValueError as e:
             self.metrics.request_done("invalid", "invalid", None, None)
-            self._error(sender, str(e))
+            self._error(sender, str(e), BAD_INPUT)
             return
-        if self.active >= self.max_active:
+        refusal = self._refusal(self.active + self.kv.waiting)
+        if refusal is not None:
             self.metrics.busy()
-            self._error(sender, f"server busy: {self.active} requests decoding (max_active_requests="
-                                f"{self.max_active}); retry later")
+            self._error(sender, *refusal)
             return
+        reserve = len(prompt) + req.max_tokens + req.decode.k + 1
+        try:
+            await self.kv.acquire(reserve)
+        except BudgetExceeded as e:
+            self.metrics.request_done(req.decode.mode, "busy" if e.retryable else "invalid", None, None)
+            self._error(sender, str(e), UNAVAILABLE if e.retryable else BAD_INPUT)
+            return
+        finally:
+            self.metrics.kv_state(self.kv.reserved, self.kv.waiting)
+        try:
+            await self._decode(request, sender, req, prompt)
+        finally:
+            self.kv.release(reserve)
+            self.metrics.kv_state(self.kv.reserved, self.kv.waiting)
+
+    async def _decode(self, request, sender, req, prompt) -> None:
         self.active += 1
         self.metrics.set_active(self.active)
         seq_id = uuid.uuid4().hex
@@ -143,13 +186,20 @@ class OrchestratorModel:
                 sender.send(self._response(text, ids, checker.finish_reason or "length", stats),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception as e:  # noqa: BLE001 - an engine failure ends this request, not the server
-            self.metrics.request_done(req.decode.mode, "error", None, None)
-            self._error(sender, f"generation failed: {type(e).__name__}: {e}")
+            msg = f"generation failed: {type(e).__name__}: {e}"
+            down = looks_like_engine_down(msg)
+            if self.supervisor is not None:
+                self.supervisor.report_failure(msg)
+            self.metrics.request_done(req.decode.mode, "unavailable" if down else "error", None, None)
+            self._error(sender, msg + ("; the engine is being reloaded, retry in a few seconds" if down else ""),
+                        UNAVAILABLE if down else INTERNAL)
         finally:
             self.active -= 1
             self.metrics.set_active(self.active)
             await self.client.release(seq_id)
 
     def finalize(self):
+        if self.supervisor is not None:
+            self.supervisor.stop()
         if self._trace_file is not None:
             self._trace_file.close()
