@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test venv engines bench bench-quick loadtest clean
+.PHONY: serve test venv engines bench bench-quick loadtest soak clean
 
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,3 +37,9 @@ clean:
 LOADTEST_ARGS ?=
 loadtest: $(STAMP)
 	$(PY) loadtest/sweep.py $(LOADTEST_ARGS)
+
+# Mixed traffic for SOAK_ARGS (default 10 minutes at 16 users on the default pair; --tiny: the CI
+# engines): requests by outcome, failures, memory of every process start/end, leaked sequences.
+SOAK_ARGS ?=
+soak: engines
+	$(PY) loadtest/soak.py $(SOAK_ARGS)
