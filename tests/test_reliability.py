@@ -24,7 +24,7 @@ import pytest
 from conftest import TARGET
 
 ENGINES = ("target", "drafter_primary", "drafter_backup")
-PROMPT = "Count from one to one hundred, separated by commas."
+PROMPT = "Write a long story about a dragon."  # the tiny target writes all LONG tokens of it
 LONG = 160  # long enough that the fault lands mid-request on this machine
 DEADLINE = 180  # seconds any wait may take before the test gives up (no timing is asserted)
 
@@ -59,6 +59,7 @@ def reference(engine_root, codec):
         if checker.push([t]):
             break
     e.release("rel-ref")
+    assert len(checker.tokens) == LONG  # a fault must land mid-request
     return checker.tokens
 
 
@@ -197,7 +198,10 @@ def test_target_death_fails_only_the_request_in_flight(srv, reference):
     before = _restarts(srv, "target")
     ids, err, _ = _stream_with_fault(srv, {"text_input": PROMPT, "max_tokens": LONG, "mode": "sd"},
                                      lambda: os.kill(stub_pid(srv, "target"), signal.SIGKILL))
+    from ssd.serving.errors import http_status
+
     assert err is not None and "target" in err and "retry" in err, err
+    assert http_status(err) == 503, err  # "engine unavailable: ...": a server-side, retryable failure
     assert ids == reference[:len(ids)]  # what it streamed before the fault was right
     seen = _recovery(srv, "target", before)
     # readiness said not-ready while the target was down (unless the reload beat the first look)
@@ -288,3 +292,24 @@ def test_concurrent_requests_across_a_drafter_fault_are_all_exact(srv, reference
         assert json.loads(body)["output_ids"] == reference
     _recovery(srv, "drafter_primary", before)
     assert not any(_no_state_left(srv).values())
+
+
+def test_short_soak_has_no_failures_and_leaves_no_sequences(srv, tmp_path):
+    """loadtest/soak.py against this server: every kind of request, a minute, then the books."""
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    out = tmp_path / "soak"
+    r = subprocess.run([sys.executable, str(repo / "loadtest" / "soak.py"), "--url", f"http://{srv.http_url}",
+                        "--metrics-url", f"http://{srv.address}:{srv.metrics_port}/metrics",
+                        "--server-pid", str(srv.proc.pid), "--minutes", "1", "--users", "3", "--max-tokens", "16",
+                        "--prompts-per-dataset", "2", "--settle", str(DEADLINE), "--out", str(out)],
+                       capture_output=True, text=True, timeout=900)
+    rep = json.loads((out / "soak_report.json").read_text())
+    outcomes = rep["outcomes"]
+    assert r.returncode == 0 and rep["passed"], r.stdout[-3000:] + r.stderr[-3000:]
+    assert outcomes.get("ok", 0) + outcomes.get("ok_stream", 0) > 0
+    assert outcomes.get("failed", 0) == 0 and outcomes.get("greedy_mismatch", 0) == 0
+    assert not any(rep["live_sequences"].values())
+    assert set(rep["rss_end"]) >= {"tritonserver", "ssd", *ENGINES} and all(v[1] > 0 for v in rep["rss_end"].values())

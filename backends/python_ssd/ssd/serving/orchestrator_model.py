@@ -22,13 +22,13 @@ from ..decoding.generator import DecodeConfig, Generation, SharedState
 from ..decoding.stopping import StopChecker
 from ..decoding.text import TextCodec
 from .bls_client import BLSClient
+from . import errors
 from .metrics import Metrics
 from .request_io import parse_request
 from .roles import resolve_engine_dir
 from .supervisor import EngineSupervisor, looks_like_engine_down
 
-# Triton maps these to HTTP 400 / 503 / 500 and gRPC INVALID_ARGUMENT / UNAVAILABLE / INTERNAL
-BAD_INPUT, UNAVAILABLE, INTERNAL = "INVALID_ARG", "UNAVAILABLE", "INTERNAL"
+BAD_INPUT = "INVALID_ARG"  # the server-side classes' codes are in errors.CODE
 
 
 def _p(params: dict[str, str], key: str, default: str) -> str:
@@ -100,11 +100,11 @@ class OrchestratorModel:
     def _refusal(self, n_active: int) -> tuple[str, str] | None:
         """Why a valid request cannot start now (message, code), or None."""
         if self.supervisor is not None and not self.supervisor.is_up(self.required_engine):
-            return (f"engine '{self.required_engine}' is restarting after its process died; retry in a few seconds",
-                    UNAVAILABLE)
+            return (f"{errors.UNAVAILABLE}'{self.required_engine}' is restarting after its process died; retry in a "
+                    "few seconds", errors.CODE[errors.UNAVAILABLE])
         if n_active >= self.max_active:
-            return (f"server busy: {self.active} requests decoding and {self.kv.waiting} waiting "
-                    f"(max_active_requests={self.max_active}); retry later", UNAVAILABLE)
+            return (f"{errors.BUSY}{self.active} requests decoding and {self.kv.waiting} waiting "
+                    f"(max_active_requests={self.max_active}); retry later", errors.CODE[errors.BUSY])
         return None
 
     # -- the request loop ---------------------------------------------------------------------------
@@ -133,7 +133,7 @@ class OrchestratorModel:
             await self.kv.acquire(reserve)
         except BudgetExceeded as e:
             self.metrics.request_done(req.decode.mode, "busy" if e.retryable else "invalid", None, None)
-            self._error(sender, str(e), UNAVAILABLE if e.retryable else BAD_INPUT)
+            self._error(sender, str(e), errors.CODE[errors.BUSY] if e.retryable else BAD_INPUT)
             return
         finally:
             self.metrics.kv_state(self.kv.reserved, self.kv.waiting)
@@ -191,8 +191,9 @@ class OrchestratorModel:
             if self.supervisor is not None:
                 self.supervisor.report_failure(msg)
             self.metrics.request_done(req.decode.mode, "unavailable" if down else "error", None, None)
-            self._error(sender, msg + ("; the engine is being reloaded, retry in a few seconds" if down else ""),
-                        UNAVAILABLE if down else INTERNAL)
+            kind = errors.UNAVAILABLE if down else errors.INTERNAL
+            tail = "; the engine is being reloaded, retry in a few seconds" if down else ""
+            self._error(sender, kind + msg + tail, errors.CODE[kind])
         finally:
             self.active -= 1
             self.metrics.set_active(self.active)
