@@ -97,6 +97,16 @@ class OrchestratorModel:
         sender.send(pb_utils.InferenceResponse(output_tensors=[], error=err),
                     flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
+    async def _target_back(self) -> bool:
+        """A request that arrives while the target reloads waits for it (up to kv_wait_s): only the
+        requests in flight when it died fail."""
+        deadline = time.monotonic() + self.kv.max_wait
+        while self.supervisor is not None and not self.supervisor.is_up(self.required_engine):
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True
+
     def _refusal(self, n_active: int) -> tuple[str, str] | None:
         """Why a valid request cannot start now (message, code), or None."""
         if self.supervisor is not None and not self.supervisor.is_up(self.required_engine):
@@ -123,6 +133,7 @@ class OrchestratorModel:
             self.metrics.request_done("invalid", "invalid", None, None)
             self._error(sender, str(e), BAD_INPUT)
             return
+        await self._target_back()
         refusal = self._refusal(self.active + self.kv.waiting)
         if refusal is not None:
             self.metrics.busy()
