@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test venv engines bench bench-quick loadtest aiperf clean llama-server
+.PHONY: serve test venv engines bench bench-quick loadtest aiperf soak clean llama-server
 
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,3 +58,9 @@ $(AIPERF_VENV)/.installed: loadtest/aiperf-requirements.txt
 
 aiperf: $(STAMP) $(AIPERF_VENV)/.installed
 	$(PY) loadtest/aiperf_run.py --tokenizer engines/$$($(PY) -c "import yaml; c = yaml.safe_load(open('$(ENGINES)')); print(next(n for n, e in c['engines'].items() if e['role'] == 'target'))") $(AIPERF_ARGS)
+
+# Mixed traffic for SOAK_ARGS (default 10 minutes at 16 users on the default pair; --tiny: the CI
+# engines): requests by outcome, failures, memory of every process start/end, leaked sequences.
+SOAK_ARGS ?=
+soak: engines
+	$(PY) loadtest/soak.py $(SOAK_ARGS)

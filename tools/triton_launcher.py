@@ -135,7 +135,9 @@ class TritonServer:
                f"--grpc-address={self.address}", f"--grpc-port={self.grpc_port}",
                f"--metrics-address={self.address}", f"--metrics-port={self.metrics_port}",
                "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=false",
-               "--log-verbose=0", "--exit-timeout-secs=10"]
+               "--log-verbose=0", "--exit-timeout-secs=10",
+               # explicit: the orchestrator reloads an engine whose process died (docs/reliability.md)
+               "--model-control-mode=explicit", "--load-model=*"]
         out = None if echo else open(self.log_file or (self.build / "tritonserver.log"), "w")
         self.proc = subprocess.Popen(cmd, env=self.env(), stdout=out, stderr=subprocess.STDOUT,
                                      start_new_session=True)

@@ -79,6 +79,14 @@ class ServerConfig:
     # K is lowered until batch x (K + 1) verify rows fit: the batch-invariant CPU target runs larger
     # forwards as several GEMM tiles (0: no cap)
     max_verify_rows: int = 32
+    # KV admission (decoding/admission.py): tokens of every engine's KV that requests may reserve
+    # together (0: no budget), and how long a request that does not fit yet may wait
+    kv_budget_tokens: int = 65536
+    kv_wait_s: float = 30.0
+    # the engine models whose dead processes are reloaded (serving/supervisor.py)
+    supervise: bool = True
+    supervise_engines: str = "target,drafter_primary,drafter_backup"
+    supervise_interval_s: float = 0.5
 
     @classmethod
     def from_parameters(cls, params: dict[str, str], ignore: tuple[str, ...] = ("role",)) -> "ServerConfig":
@@ -122,6 +130,10 @@ class ServerConfig:
         check(self.coalesce_window_ms >= 0, "coalesce_window_ms", f"must be >= 0, got {self.coalesce_window_ms}")
         check(self.max_active_requests >= 1, "max_active_requests", f"must be >= 1, got {self.max_active_requests}")
         check(self.max_verify_rows >= 0, "max_verify_rows", f"must be >= 0, got {self.max_verify_rows}")
+        check(self.kv_budget_tokens >= 0, "kv_budget_tokens", f"must be >= 0, got {self.kv_budget_tokens}")
+        check(self.kv_wait_s >= 0, "kv_wait_s", f"must be >= 0, got {self.kv_wait_s}")
+        check(self.supervise_interval_s > 0, "supervise_interval_s",
+              f"must be > 0, got {self.supervise_interval_s}")
 
 
 def _parse(name: str, raw: str, kind: str):

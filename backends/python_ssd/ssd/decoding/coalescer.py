@@ -52,7 +52,9 @@ class _Barrier:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        batch, self.pending = self.pending, []
+        # a caller that went away (its request ended or was cancelled) must not reach the engine:
+        # its call would recreate a sequence the engines have already released
+        batch, self.pending = [(c, f) for c, f in self.pending if not f.done()], []
         if batch:
             self.in_flight = asyncio.ensure_future(self._run(batch))
 

@@ -17,11 +17,35 @@ from ..workers.protocol import CallError, decode_calls, encode_results, worker_m
 from .roles import resolve_engine_dir
 
 
+def live_state(worker) -> tuple[int, int]:
+    """(sequences, KV slots) the worker's engine holds now; a stateless worker holds none."""
+    engine = getattr(worker, "engine", None)
+    seqs = getattr(engine, "sequences", None)
+    if not isinstance(seqs, dict):
+        return 0, 0
+    return len(seqs), sum(getattr(getattr(s, "kv", None), "capacity", 0) for s in list(seqs.values()))
+
+
 class EngineModel:
     def __init__(self, config: dict, params: dict[str, str], role: str):
         self.role = role
         engine = params.get("engine")
         self.worker = build_worker(role, params, resolve_engine_dir(engine) if engine else None)
+        # what this engine holds, on Triton's /metrics: the soak and the tests read leaks from it
+        fam = pb_utils.MetricFamily
+        model = config.get("name", role)
+        # a family must outlive its metrics: keep both
+        self._families = (fam("ssd_engine_live_sequences", "Sequences whose state an engine holds now, by model",
+                              fam.GAUGE),
+                          fam("ssd_engine_kv_slots", "KV cache slots (tokens) an engine has allocated, by model",
+                              fam.GAUGE))
+        self._live, self._kv = (f.Metric(labels={"model": model}) for f in self._families)
+        self._publish()
+
+    def _publish(self) -> None:
+        seqs, slots = live_state(self.worker)
+        self._live.set(seqs)
+        self._kv.set(slots)
 
     def execute(self, requests):
         slots: list[list | str] = []  # per request: its results in call order, or why it failed as a whole
@@ -52,6 +76,7 @@ class EngineModel:
             except Exception as e:  # noqa: BLE001
                 for out, j, _ in items:
                     out[j] = CallError(f"{self.role}.{op} failed: {type(e).__name__}: {e}")
+        self._publish()
         return [self._error(s) if isinstance(s, str) else self._ok(s) for s in slots]
 
     @staticmethod

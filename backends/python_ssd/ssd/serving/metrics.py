@@ -26,6 +26,11 @@ class Metrics:
             "queue": fam("ssd_rejected_busy_total", "Requests refused because the server was at capacity", C),
             "klen": fam("ssd_draft_len_rounds_total", "Rounds that drafted k tokens (the policy's K per choice)", C),
             "bstar": fam("ssd_policy_b_star", "Smallest batch size at which the fast backup wins (0: never)", G),
+            "restarts": fam("ssd_engine_restarts_total", "Engine models reloaded after their process died, by model", C),
+            "restart_s": fam("ssd_engine_last_restart_seconds", "Seconds the last reload of an engine model took", G),
+            "up": fam("ssd_engine_up", "1 while an engine model serves, 0 while it is down or reloading", G),
+            "kv_reserved": fam("ssd_kv_reserved_tokens", "KV tokens reserved by admitted requests (see kv_budget_tokens)", G),
+            "kv_waiting": fam("ssd_kv_waiting_requests", "Requests waiting for room in the KV budget", G),
         }
         self._hist = None
         if hasattr(fam, "HISTOGRAM"):
@@ -43,6 +48,17 @@ class Metrics:
 
     def set_active(self, n: int) -> None:
         self._metric("active").set(n)
+
+    def engine_restarted(self, model: str, seconds: float) -> None:
+        self._metric("restarts", model=model).increment(1)
+        self._metric("restart_s", model=model).set(seconds)
+
+    def engine_state(self, model: str, up: bool) -> None:
+        self._metric("up", model=model).set(1.0 if up else 0.0)
+
+    def kv_state(self, reserved: int, waiting: int) -> None:
+        self._metric("kv_reserved").set(reserved)
+        self._metric("kv_waiting").set(waiting)
 
     def busy(self) -> None:
         self._metric("queue").increment(1)

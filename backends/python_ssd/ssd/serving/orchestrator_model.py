@@ -17,14 +17,19 @@ import triton_python_backend_utils as pb_utils
 
 from ..algorithm.scheduler import Scheduler
 from ..config import ServerConfig
+from ..decoding.admission import BudgetExceeded, KvBudget
 from ..decoding.coalescer import CoalescingClient
 from ..decoding.generator import Generation, SharedState
 from ..decoding.stopping import StopChecker
 from ..decoding.text import TextCodec
 from .bls_client import BLSClient
+from . import errors
 from .metrics import Metrics
 from .request_io import parse_request
 from .roles import resolve_engine_dir
+from .supervisor import EngineSupervisor, looks_like_engine_down
+
+BAD_INPUT = "INVALID_ARG"  # the server-side classes' codes are in errors.CODE
 
 
 class OrchestratorModel:
@@ -47,6 +52,17 @@ class OrchestratorModel:
             if cfg.coalesce_window_ms > 0 else BLSClient()
         self.metrics = Metrics()
         self.active = 0
+        self.kv = KvBudget(cfg.kv_budget_tokens, cfg.kv_wait_s)
+        self.required_engine = "target"  # without it nothing decodes; a drafter's absence costs speed only
+        self.supervisor = None
+        engines = tuple(m for m in cfg.supervise_engines.split(",") if m)
+        if engines and cfg.supervise:
+            self.supervisor = EngineSupervisor(
+                engines, unload=pb_utils.unload_model, load=pb_utils.load_model,
+                on_restart=self.metrics.engine_restarted, on_state=self.metrics.engine_state,
+                interval=cfg.supervise_interval_s).start()
+            for m in engines:
+                self.metrics.engine_state(m, True)
 
     # -- helpers ----------------------------------------------------------------------------------
     @staticmethod
@@ -60,9 +76,30 @@ class OrchestratorModel:
         return pb_utils.InferenceResponse(output_tensors=outs)
 
     @staticmethod
-    def _error(sender, msg: str) -> None:
-        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(msg)),
+    def _error(sender, msg: str, code: str) -> None:
+        err = pb_utils.TritonError(msg, getattr(pb_utils.TritonError, code))
+        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=err),
                     flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    async def _target_back(self) -> bool:
+        """A request that arrives while the target reloads waits for it (up to kv_wait_s): only the
+        requests in flight when it died fail."""
+        deadline = time.monotonic() + self.kv.max_wait
+        while self.supervisor is not None and not self.supervisor.is_up(self.required_engine):
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True
+
+    def _refusal(self, n_active: int) -> tuple[str, str] | None:
+        """Why a valid request cannot start now (message, code), or None."""
+        if self.supervisor is not None and not self.supervisor.is_up(self.required_engine):
+            return (f"{errors.UNAVAILABLE}'{self.required_engine}' is restarting after its process died; retry in a "
+                    "few seconds", errors.CODE[errors.UNAVAILABLE])
+        if n_active >= self.cfg.max_active_requests:
+            return (f"{errors.BUSY}{self.active} requests decoding and {self.kv.waiting} waiting "
+                    f"(max_active_requests={self.cfg.max_active_requests}); retry later", errors.CODE[errors.BUSY])
+        return None
 
     # -- the request loop ---------------------------------------------------------------------------
     async def execute(self, requests):
@@ -78,13 +115,30 @@ class OrchestratorModel:
                                  f"exceeds the maximum sequence length {self.cfg.max_seq_len}")
         except ValueError as e:
             self.metrics.request_done("invalid", "invalid", None, None)
-            self._error(sender, str(e))
+            self._error(sender, str(e), BAD_INPUT)
             return
-        if self.active >= self.cfg.max_active_requests:
+        await self._target_back()
+        refusal = self._refusal(self.active + self.kv.waiting)
+        if refusal is not None:
             self.metrics.busy()
-            self._error(sender, f"server busy: {self.active} requests decoding (max_active_requests="
-                                f"{self.cfg.max_active_requests}); retry later")
+            self._error(sender, *refusal)
             return
+        reserve = len(prompt) + req.max_tokens + req.decode.k + 1
+        try:
+            await self.kv.acquire(reserve)
+        except BudgetExceeded as e:
+            self.metrics.request_done(req.decode.mode, "busy" if e.retryable else "invalid", None, None)
+            self._error(sender, str(e), errors.CODE[errors.BUSY] if e.retryable else BAD_INPUT)
+            return
+        finally:
+            self.metrics.kv_state(self.kv.reserved, self.kv.waiting)
+        try:
+            await self._decode(request, sender, req, prompt)
+        finally:
+            self.kv.release(reserve)
+            self.metrics.kv_state(self.kv.reserved, self.kv.waiting)
+
+    async def _decode(self, request, sender, req, prompt) -> None:
         self.active += 1
         self.metrics.set_active(self.active)
         seq_id = uuid.uuid4().hex
@@ -127,13 +181,21 @@ class OrchestratorModel:
                 sender.send(self._response(text, ids, checker.finish_reason or "length", stats),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception as e:  # noqa: BLE001 - an engine failure ends this request, not the server
-            self.metrics.request_done(req.decode.mode, "error", None, None)
-            self._error(sender, f"generation failed: {type(e).__name__}: {e}")
+            msg = f"generation failed: {type(e).__name__}: {e}"
+            down = looks_like_engine_down(msg)
+            if self.supervisor is not None:
+                self.supervisor.report_failure(msg)
+            self.metrics.request_done(req.decode.mode, "unavailable" if down else "error", None, None)
+            kind = errors.UNAVAILABLE if down else errors.INTERNAL
+            tail = "; the engine is being reloaded, retry in a few seconds" if down else ""
+            self._error(sender, kind + msg + tail, errors.CODE[kind])
         finally:
             self.active -= 1
             self.metrics.set_active(self.active)
             await self.client.release(seq_id)
 
     def finalize(self):
+        if self.supervisor is not None:
+            self.supervisor.stop()
         if self._trace_file is not None:
             self._trace_file.close()
