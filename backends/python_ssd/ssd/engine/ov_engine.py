@@ -1,0 +1,171 @@
+"""The OpenVINO engine: the torch engine's contract (sequences, prefix reuse, rollback, tree rows,
+batches) with every forward run by one compiled OpenVINO graph (ov_graph.py).
+
+Why OpenVINO on CPU: its bf16 fully-connected kernels cost about the same for 1 to 16 rows, which
+is what makes a verify of K + 1 rows or a tree of drafts cost about one decode step, and a row's
+result does not depend on how many rows share the forward or on the thread count (docs/cpu_engine.md
+has the figures). The sequence bookkeeping is TorchEngine's; only the model and the KV storage
+differ: KV lives in one slot-major numpy array per sequence, passed to the graph without a copy.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from .engine import Sequence, TorchEngine, _release_freed_memory  # noqa: F401 (Sequence: the shared record)
+from .meta import engine_meta
+from .model import ModelConfig, RowBatch
+
+
+def bf16_native() -> bool:
+    """Whether OpenVINO's CPU plugin computes in bf16 here (AVX-512 bf16 or AMX); elsewhere bf16
+    weights are widened to f32 inside its kernels, which is exact and keeps the weights' bytes."""
+    import openvino as ov
+
+    return "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+
+
+class SlotKV:
+    """A sequence's keys and values, [capacity, layers, 2, Hkv, D] float32: slot-major, so the
+    first P slots are one contiguous block the graph reads in place. Values are those the graph
+    produced (already rounded to its compute precision), so feeding them back is lossless."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int = 256):
+        self.row_shape = (layers, 2, kv_heads, head_dim)
+        self.data = np.zeros((0, *self.row_shape), dtype=np.float32)
+        self.reserve(capacity)
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[0]
+
+    def reserve(self, slots: int) -> None:
+        if slots <= self.capacity:
+            return
+        grown = np.zeros((max(slots, 2 * self.capacity, 64), *self.row_shape), dtype=np.float32)
+        grown[: self.capacity] = self.data
+        self.data = grown
+
+    def write(self, start: int, rows: np.ndarray) -> None:
+        self.data[start:start + rows.shape[0]] = rows
+
+    def move_slots(self, src: list[int], dst_start: int) -> None:
+        if src:
+            self.data[dst_start:dst_start + len(src)] = self.data[np.asarray(src)]
+
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+class OpenVinoTransformer:
+    """Runs RowBatch forwards (model.Transformer's interface) through one compiled graph."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 threads: int | None = None):
+        import openvino as ov
+        import openvino.properties as props
+        import openvino.properties.hint as hints
+
+        from .ov_graph import build_model
+
+        self.config = config
+        self.head_vocab = config.vocab_size
+        if dtype == torch.float32:
+            weight_type, precision = ov.Type.f32, ov.Type.f32
+        else:
+            weight_type = ov.Type.bf16
+            precision = ov.Type.bf16 if bf16_native() else ov.Type.f32
+        self.precision = str(precision)
+        model = build_model(config, weights, weight_type)
+        cfg = {hints.inference_precision: precision, hints.performance_mode: hints.PerformanceMode.LATENCY,
+               props.num_streams: 1, hints.dynamic_quantization_group_size: 0,
+               hints.enable_cpu_pinning: False}
+        if threads:
+            cfg[props.inference_num_threads] = int(threads)
+        self.compiled = ov.Core().compile_model(model, "CPU", cfg)
+        self.request = self.compiled.create_infer_request()
+        del model
+
+    def new_kv(self, capacity: int = 256) -> SlotKV:
+        c = self.config
+        return SlotKV(c.num_layers, c.num_kv_heads, c.head_dim, capacity)
+
+    def forward(self, batch: list[RowBatch], exact: bool = False) -> list[torch.Tensor]:
+        """Every row of every sequence in one inference. The sequences' committed slots are laid
+        side by side in ``past`` and each row's mask admits only its own sequence's slots, so a
+        row's logits do not depend on its company (``exact`` needs nothing more)."""
+        sizes = [rb.tokens.numel() for rb in batch]
+        n = sum(sizes)
+        if len(batch) == 1:
+            past = batch[0].kv.data[: batch[0].start]
+        else:
+            past = np.concatenate([rb.kv.data[: rb.start] for rb in batch])
+        p_total = past.shape[0]
+        mask = np.full((n, p_total + n), -np.inf, dtype=np.float32)
+        rows, p_off, r_off = [], 0, 0
+        for rb, k in zip(batch, sizes):
+            if rb.visible is None:  # causal chunk: row i sees slots 0..start+i
+                vis = np.tril(np.ones((k, rb.start + k), dtype=bool), rb.start)
+            else:
+                vis = rb.visible.numpy()
+            block = mask[r_off:r_off + k]
+            block[:, p_off:p_off + rb.start][vis[:, : rb.start]] = 0.0
+            block[:, p_total + r_off:p_total + r_off + k][vis[:, rb.start:]] = 0.0
+            rows.extend(range(r_off + rb.logits_from, r_off + k))
+            p_off += rb.start
+            r_off += k
+        inputs = {
+            "tokens": torch.cat([rb.tokens for rb in batch]).numpy(),
+            "positions": torch.cat([rb.positions for rb in batch]).numpy(),
+            "past": np.ascontiguousarray(past), "mask": mask, "logit_rows": np.asarray(rows, dtype=np.int64),
+        }
+        self.request.infer(inputs, share_inputs=True)
+        logits = torch.from_numpy(self.request.get_tensor("logits").data.copy())
+        new_kv = self.request.get_tensor("new_kv").data
+        r_off = 0
+        for rb, k in zip(batch, sizes):
+            rb.kv.reserve(rb.start + k)
+            rb.kv.write(rb.start, new_kv[r_off:r_off + k])
+            r_off += k
+        return list(logits.split([k - rb.logits_from for rb, k in zip(batch, sizes)]))
+
+
+class OpenVinoEngine(TorchEngine):
+    """TorchEngine's sequence handling over OpenVinoTransformer. ``dtype``: "float32" computes in
+    f32; "bfloat16" keeps bf16 weights and computes in bf16 where the CPU has it natively, else in
+    f32 (the same weights, widened in the kernels). ``threads``: OpenVINO's thread count."""
+
+    def __init__(self, folder: str | os.PathLike, dtype: str | None = None, threads: int | None = None,
+                 exact: bool = True, max_sequences: int = 64, max_len: int | None = None):
+        folder = Path(folder)
+        with open(folder / "config.json") as f:
+            hf = json.load(f)
+        meta = engine_meta(folder)
+        self.config = ModelConfig.from_hf(hf)
+        self.device = torch.device("cpu")
+        requested = dtype if dtype and dtype != "auto" else meta.get("dtype") or "bfloat16"
+        self.dtype = torch.float32 if requested in ("float32", "fp32") else torch.bfloat16
+        weights = load_file(str(folder / "model.safetensors"))
+        self.model = OpenVinoTransformer(self.config, weights, self.dtype, threads)
+        del weights
+        _release_freed_memory()
+        eos = hf.get("eos_token_id", [])
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | set(meta.get("eos_token_ids", []))
+        self.exact = exact
+        self.max_sequences = max_sequences
+        self.max_len = max_len or self.config.max_position
+        self.sequences: dict[str, Sequence] = {}
+        self.folder = folder
+        self.timing: list[tuple[int, float]] = []
+
+    def _timed_forward(self, batch: list, exact: bool) -> list[torch.Tensor]:
+        t0 = time.perf_counter()
+        out = self.model.forward(batch, exact=exact)
+        self.timing.append((sum(len(b.tokens) for b in batch), time.perf_counter() - t0))
+        return out
