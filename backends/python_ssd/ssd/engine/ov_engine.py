@@ -23,14 +23,6 @@ from .meta import engine_meta
 from .model import ModelConfig, RowBatch
 
 
-def bf16_native() -> bool:
-    """Whether OpenVINO's CPU plugin computes in bf16 here (AVX-512 bf16 or AMX); elsewhere bf16
-    weights are widened to f32 inside its kernels, which is exact and keeps the weights' bytes."""
-    import openvino as ov
-
-    return "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
-
-
 class SlotKV:
     """A sequence's keys and values, [capacity, layers, 2, Hkv, D] float32: slot-major, so the
     first P slots are one contiguous block the graph reads in place. Values are those the graph
@@ -66,7 +58,7 @@ class SlotKV:
 class OpenVinoTransformer:
     """Runs RowBatch forwards (model.Transformer's interface) through one compiled graph."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], weight_format: str = "f32",
                  threads: int | None = None):
         import openvino as ov
         import openvino.properties as props
@@ -76,14 +68,9 @@ class OpenVinoTransformer:
 
         self.config = config
         self.head_vocab = config.vocab_size
-        if dtype == torch.float32:
-            weight_type, precision = ov.Type.f32, ov.Type.f32
-        else:
-            weight_type = ov.Type.bf16
-            precision = ov.Type.bf16 if bf16_native() else ov.Type.f32
-        self.precision = str(precision)
-        model = build_model(config, weights, weight_type)
-        cfg = {hints.inference_precision: precision, hints.performance_mode: hints.PerformanceMode.LATENCY,
+        self.weight_format = weight_format
+        model = build_model(config, weights, weight_format)
+        cfg = {hints.inference_precision: ov.Type.f32, hints.performance_mode: hints.PerformanceMode.LATENCY,
                props.num_streams: 1, hints.dynamic_quantization_group_size: 0,
                hints.enable_cpu_pinning: False}
         if threads:
@@ -120,11 +107,14 @@ class OpenVinoTransformer:
             rows.extend(range(r_off + rb.logits_from, r_off + k))
             p_off += rb.start
             r_off += k
-        inputs = {
-            "tokens": torch.cat([rb.tokens for rb in batch]).numpy(),
-            "positions": torch.cat([rb.positions for rb in batch]).numpy(),
-            "past": np.ascontiguousarray(past), "mask": mask, "logit_rows": np.asarray(rows, dtype=np.int64),
-        }
+        tokens = torch.cat([rb.tokens for rb in batch]).numpy()
+        positions = torch.cat([rb.positions for rb in batch]).numpy()
+        if n == 1:  # a one-row product takes a GEMV kernel: pair the row with a copy nobody sees
+            tokens, positions = np.repeat(tokens, 2), np.repeat(positions, 2)
+            mask = np.concatenate([np.concatenate([mask, np.full((1, 1), -np.inf, np.float32)], 1)] * 2)
+            mask[1, -1] = 0.0
+        inputs = {"tokens": tokens, "positions": positions, "past": np.ascontiguousarray(past), "mask": mask,
+                  "logit_rows": np.asarray(rows, dtype=np.int64)}
         self.request.infer(inputs, share_inputs=True)
         logits = torch.from_numpy(self.request.get_tensor("logits").data.copy())
         new_kv = self.request.get_tensor("new_kv").data
@@ -137,11 +127,11 @@ class OpenVinoTransformer:
 
 
 class OpenVinoEngine(TorchEngine):
-    """TorchEngine's sequence handling over OpenVinoTransformer. ``dtype``: "float32" computes in
-    f32; "bfloat16" keeps bf16 weights and computes in bf16 where the CPU has it natively, else in
-    f32 (the same weights, widened in the kernels). ``threads``: OpenVINO's thread count."""
+    """TorchEngine's sequence handling over OpenVinoTransformer, computing in f32. ``weights``: "f32"
+    (the built engine's values exactly) or "int8" (weight-only, one scale per output channel: a
+    quarter of the bytes, decode faster; see docs/cpu_engine.md). ``threads``: OpenVINO's threads."""
 
-    def __init__(self, folder: str | os.PathLike, dtype: str | None = None, threads: int | None = None,
+    def __init__(self, folder: str | os.PathLike, weights: str = "f32", threads: int | None = None,
                  exact: bool = True, max_sequences: int = 64, max_len: int | None = None):
         folder = Path(folder)
         with open(folder / "config.json") as f:
@@ -149,11 +139,10 @@ class OpenVinoEngine(TorchEngine):
         meta = engine_meta(folder)
         self.config = ModelConfig.from_hf(hf)
         self.device = torch.device("cpu")
-        requested = dtype if dtype and dtype != "auto" else meta.get("dtype") or "bfloat16"
-        self.dtype = torch.float32 if requested in ("float32", "fp32") else torch.bfloat16
-        weights = load_file(str(folder / "model.safetensors"))
-        self.model = OpenVinoTransformer(self.config, weights, self.dtype, threads)
-        del weights
+        self.dtype = torch.float32
+        tensors = load_file(str(folder / "model.safetensors"))
+        self.model = OpenVinoTransformer(self.config, tensors, weights or "f32", threads)
+        del tensors
         _release_freed_memory()
         eos = hf.get("eos_token_id", [])
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | set(meta.get("eos_token_ids", []))

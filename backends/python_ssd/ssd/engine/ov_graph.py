@@ -23,22 +23,36 @@ import torch
 from .model import ModelConfig
 
 
-def _const(t: torch.Tensor, weight_type: ov.Type) -> ov.Node:
-    """A weight constant stored in ``weight_type`` (bf16 or f32), converted to f32 where used: the CPU
-    plugin keeps such decompression patterns in the stored type and fuses them into its kernels."""
-    if weight_type == ov.Type.bf16:
-        bits = t.detach().to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.float16)
-        tensor = ov.Tensor(ov.Type.bf16, list(t.shape))
-        tensor.data[...] = bits
-        return ops.convert(ops.constant(tensor), ov.Type.f32)
-    return ops.constant(t.detach().float().contiguous().numpy())
+WEIGHTS = ("f32", "int8")
+
+
+def _const(t: torch.Tensor) -> ov.Node:
+    # shared: the constant keeps the array alive instead of copying it (one f32 copy of each weight)
+    return ops.constant(t.detach().float().contiguous().numpy(), shared_memory=True)
+
+
+def _weight(t: torch.Tensor, weights: str) -> tuple[ov.Node, ov.Node | None]:
+    """A [out, in] weight for a MatMul: f32 (every bf16 value exactly), or "int8": int8 with one f32
+    scale per output row, widened inside the CPU plugin's kernels (its decompression pattern); the
+    activations stay f32 (dynamic quantization is off), so a row's result still does not depend
+    on the other rows. Returns (int8 or f32 constant, scale or None)."""
+    if weights == "f32":
+        return _const(t), None
+    wf = t.detach().float()
+    scale = (wf.abs().amax(1, keepdim=True) / 127).clamp(min=1e-12)
+    q = torch.round(wf / scale).clamp(-127, 127).to(torch.int8)
+    return ops.constant(q.contiguous().numpy(), shared_memory=True), _const(scale)
+
+
+def _widened(node: ov.Node, scale: ov.Node | None) -> ov.Node:
+    return node if scale is None else ops.multiply(ops.convert(node, ov.Type.f32), scale)
 
 
 def _i64(values) -> ov.Node:
     return ops.constant(np.array(values, dtype=np.int64))
 
 
-def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], weight_type: ov.Type) -> ov.Model:
+def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], weight_format: str = "f32") -> ov.Model:
     """Inputs: tokens [n] i64, positions [n] i64, past [P, layers, 2, Hkv, D] f32, mask [n, P+n] f32
     (0 or -inf), logit_rows [m] i64. Outputs: logits [m, V] f32, new_kv [n, layers, 2, Hkv, D] f32."""
     c = config
@@ -53,8 +67,12 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], weight_ty
         p.output(0).set_names({p.get_friendly_name()})
 
     w = weights
-    embed = _const(w["model.embed_tokens.weight"], weight_type)
+    if weight_format not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weight_format!r}")
+    embed, embed_scale = _weight(w["model.embed_tokens.weight"], weight_format)
     x = ops.gather(embed, tokens, _i64(0))  # [n, hidden]
+    if embed_scale is not None:
+        x = ops.multiply(ops.convert(x, ov.Type.f32), ops.gather(embed_scale, tokens, _i64(0)))
 
     inv = 1.0 / (c.rope_theta ** (np.arange(0, d, 2, dtype=np.float32) / d))
     freqs = ops.multiply(ops.unsqueeze(ops.convert(positions, ov.Type.f32), _i64(1)),
@@ -67,12 +85,12 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], weight_ty
 
     def rms(h: ov.Node, weight: torch.Tensor) -> ov.Node:
         var = ops.reduce_mean(ops.multiply(h, h), _i64([-1]), True)
-        return ops.multiply(ops.divide(h, ops.sqrt(ops.add(var, eps))), _const(weight, ov.Type.f32))
+        return ops.multiply(ops.divide(h, ops.sqrt(ops.add(var, eps))), _const(weight))
 
     def linear(h: ov.Node, name: str, bias: bool) -> ov.Node:
-        y = ops.matmul(h, _const(w[name + ".weight"], weight_type), False, True)
+        y = ops.matmul(h, _widened(*_weight(w[name + ".weight"], weight_format)), False, True)
         if bias and name + ".bias" in w:
-            y = ops.add(y, _const(w[name + ".bias"], ov.Type.f32))
+            y = ops.add(y, _const(w[name + ".bias"]))
         return y
 
     def rope(t: ov.Node) -> ov.Node:  # t: [n, heads, D], rotate-half convention of HF Llama/Qwen2
@@ -119,7 +137,10 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], weight_ty
         up = linear(h, p + "mlp.up_proj", False)
         x = ops.add(x, linear(ops.multiply(ops.swish(gate), up), p + "mlp.down_proj", False))
     h = rms(ops.gather(x, logit_rows, _i64(0)), w["model.norm.weight"])
-    head = embed if c.tie_word_embeddings or "lm_head.weight" not in w else _const(w["lm_head.weight"], weight_type)
+    if c.tie_word_embeddings or "lm_head.weight" not in w:
+        head = _widened(embed, embed_scale)
+    else:
+        head = _widened(*_weight(w["lm_head.weight"], weight_format))
     logits = ops.matmul(h, head, False, True)
     logits.output(0).set_names({"logits"})
     kv_out = ops.concat(new_kv, 1)
