@@ -139,3 +139,16 @@ def test_factory_reads_the_runtime_from_the_engine_folder(engine_root, tmp_path)
     assert worker.engine.model.weight_format == "int8"
     with pytest.raises(ValueError, match="weights"):
         OpenVinoEngine(folder, weights="int4")
+
+
+def test_build_records_the_runtime_in_engine_json(tmp_path):
+    from build_engines import record_runtime
+
+    (tmp_path / "engine.json").write_text(json.dumps({"dtype": "bfloat16", "source_sha256": "x"}))
+    record_runtime(tmp_path, {"runtime": "openvino", "ov_weights": "int8"})
+    meta = json.loads((tmp_path / "engine.json").read_text())
+    assert meta == {"dtype": "bfloat16", "source_sha256": "x", "runtime": "openvino", "ov_weights": "int8"}
+    record_runtime(tmp_path, {})  # back to torch: the keys go
+    assert json.loads((tmp_path / "engine.json").read_text()) == {"dtype": "bfloat16", "source_sha256": "x"}
+    with pytest.raises(ValueError, match="runtime"):
+        record_runtime(tmp_path, {"runtime": "onnx"})

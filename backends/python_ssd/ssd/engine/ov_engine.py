@@ -1,11 +1,12 @@
 """The OpenVINO engine: the torch engine's contract (sequences, prefix reuse, rollback, tree rows,
 batches) with every forward run by one compiled OpenVINO graph (ov_graph.py).
 
-Why OpenVINO on CPU: its bf16 fully-connected kernels cost about the same for 1 to 16 rows, which
-is what makes a verify of K + 1 rows or a tree of drafts cost about one decode step, and a row's
-result does not depend on how many rows share the forward or on the thread count (docs/cpu_engine.md
-has the figures). The sequence bookkeeping is TorchEngine's; only the model and the KV storage
-differ: KV lives in one slot-major numpy array per sequence, passed to the graph without a copy.
+Why OpenVINO on CPU: a field-standard runtime whose f32 kernels give a row the same bits whatever
+else shares its forward (other rows, other sequences, 1 or 2 threads), so the exact target needs no
+tiling or per-row attention, and whose multi-row forwards cost little more than one row
+(docs/cpu_engine.md has the figures). It computes in f32: on a CPU without AVX-512 BF16 or AMX its
+bf16 path is emulated and far slower. The sequence bookkeeping is TorchEngine's; only the model and
+the KV storage differ: KV lives in one slot-major numpy array per sequence, read by the graph in place.
 """
 from __future__ import annotations
 

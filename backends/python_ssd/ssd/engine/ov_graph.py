@@ -33,9 +33,9 @@ def _const(t: torch.Tensor) -> ov.Node:
 
 def _weight(t: torch.Tensor, weights: str) -> tuple[ov.Node, ov.Node | None]:
     """A [out, in] weight for a MatMul: f32 (every bf16 value exactly), or "int8": int8 with one f32
-    scale per output row, widened inside the CPU plugin's kernels (its decompression pattern); the
-    activations stay f32 (dynamic quantization is off), so a row's result still does not depend
-    on the other rows. Returns (int8 or f32 constant, scale or None)."""
+    scale per output row, widened inside the CPU plugin's kernels (its decompression pattern) while
+    activations stay f32 (dynamic quantization is off). Such a graph's rows differ in the last bits
+    with the row count, so int8 is for drafters only. Returns (constant, scale or None)."""
     if weights == "f32":
         return _const(t), None
     wf = t.detach().float()
