@@ -5,7 +5,9 @@ into engines/<name>/ (tools/convert_gguf.py). A source with `path:` is the user'
 local Hugging Face folder or GGUF file (tools/local_checkpoints.py): its architecture is checked
 before anything is converted, and the drafter's tokenizer against the target's once both are built.
 Idempotent: an engine folder whose engine.json records the same source checksum (a fingerprint for
-local sources), dtype and layer count is left alone.
+local sources), dtype and layer count is left alone. An engine's ``runtime`` (torch or openvino) and
+``ov_weights`` (f32 or int8) are recorded in its engine.json, where the serving factory reads them;
+the OpenVINO graph itself is built from model.safetensors when it loads.
 """
 from __future__ import annotations
 
@@ -29,6 +31,21 @@ def engine_is_current(folder: Path, sha: str, dtype: str, keep_layers: int) -> b
         return False
     m = json.loads(meta.read_text())
     return m.get("source_sha256") == sha and m.get("dtype") == dtype and m.get("keep_layers", 0) == keep_layers
+
+
+RUNTIMES = ("torch", "openvino")
+
+
+def record_runtime(folder: Path, spec: dict) -> None:
+    runtime = spec.get("runtime", "torch")
+    if runtime not in RUNTIMES:
+        raise ValueError(f"engine {folder.name}: runtime must be one of {RUNTIMES}, got {runtime!r}")
+    meta_path = folder / "engine.json"
+    meta = json.loads(meta_path.read_text())
+    wanted = {"runtime": runtime, "ov_weights": spec.get("ov_weights", "f32")} if runtime == "openvino" else {}
+    if {k: meta.get(k) for k in ("runtime", "ov_weights") if k in meta} != wanted:
+        meta = {k: v for k, v in meta.items() if k not in ("runtime", "ov_weights")} | wanted
+        meta_path.write_text(json.dumps(meta, indent=2))
 
 
 def build(config: Path, out_root: Path, cache: Path, dtype_override: str | None = None) -> list[Path]:
@@ -59,6 +76,7 @@ def build(config: Path, out_root: Path, cache: Path, dtype_override: str | None 
         else:
             gguf = local[name][0] if name in local else fetch(src, cache)
             convert(gguf, folder, dtype, spec["role"], source_id, keep)
+        record_runtime(folder, spec)
         built[name] = folder
     if all(pair):
         check_same_tokenizer(built[pair[0]], built[pair[1]], *pair)
