@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-
 import trtllm_stand_in as tle
 from ssd.algorithm.sampling import SamplingParams
 
