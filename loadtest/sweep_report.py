@@ -39,7 +39,7 @@ def steady_rate(users: int, tokens: int, latencies_ms: list[float]) -> float:
     request running, so the rate is users x tokens / the requests' total latency). Unlike tokens
     over the cell's span it leaves out the drain after Locust stops sending, when the last
     requests run at falling concurrency and the mode whose requests vary most in length scores
-    lowest (traced: SD at 8 users, 11.7 tok/s over the span, 15.4 in the steady part)."""
+    lowest (SD at 8 users can read 11.7 tok/s over the span and 15.4 in the steady part)."""
     total = sum(latencies_ms) / 1000
     return round(users * tokens / total, 2) if total > 0 else 0.0
 

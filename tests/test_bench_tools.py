@@ -187,7 +187,7 @@ def test_sweeps_choose_a_value_only_beyond_the_repeated_baselines_spread():
     assert chosen["shape"] == "uniform (+20% over the shipped geometric)"  # 3.6 against 3.0
     assert chosen["c"].startswith("1.0 (0.5 ran +20%, within the 40%")  # the greedy 14% would have chosen 0.5
     assert "moved 14% greedy and 40% at temperature 0.7" in md
-    # without the repeat (runs before session 18) the fastest value is chosen, as it was then
+    # a run without the repeat has no spread: the fastest value is chosen
     old = {"split": [r for r in split if r["phase"] != "repeat"], "meta": raw["meta"]}
     assert report.repeat_spread(old) is None and report.sweeps(old)[1]["budget"].startswith("5 (+10%")
 

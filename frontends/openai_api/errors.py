@@ -30,8 +30,11 @@ def from_triton(message: str) -> ApiError:
     if m:
         field = {"text_input": "prompt"}.get(m.group(1), m.group(1))
         return ApiError(400, message[m.start():], field)
-    if "server busy" in message:
+    # the ssd model's server-side classes (backends/python_ssd/ssd/serving/errors.py) start with these
+    if "server busy: " in message:
         return ApiError(503, message, code="server_busy")
+    if "engine unavailable: " in message:
+        return ApiError(503, message, code="engine_unavailable")
     if "is not ready" in message or "Request for unknown model" in message:
         return ApiError(503, f"the ssd model is not available: {message}", code="model_not_ready")
     return ApiError(500, message)

@@ -57,7 +57,7 @@ def run(target, assistant, ids: list[int], max_tokens: int, k: int, eos: list[in
     if assistant is not None:
         # transformers (5.x) reads K, its schedule and the confidence cut-off from the assistant's own
         # generation_config: passed to generate() they are ignored, and the assistant's defaults
-        # (K = 20, cut-off 0.4, tuned on the fly) ran instead, which is what sessions 4-19 measured
+        # (K = 20, cut-off 0.4, tuned on the fly) run instead
         assistant.generation_config.update(num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
                                            assistant_confidence_threshold=0.0)
         kw.update(assistant_model=assistant)

@@ -101,7 +101,7 @@ SWEEP_KNOBS = {"k": "num_draft_tokens", "sd_k": "num_draft_tokens", "shape": "fa
 def repeat_spread(raw: dict, sampled: bool = False) -> float | None:
     """How far the shipped SSD configuration's rate moved between its two measurements of each sweep
     prompt (with the main table, then after the sweeps): the mean of |first - again| / their mean,
-    greedy or at temperature 0.7 (``sampled``). ``None`` for runs without the repeat (before session 18)."""
+    greedy or at temperature 0.7 (``sampled``). ``None`` for runs without the repeat."""
     split = raw.get("split", [])
     again = {(r["dataset"], r["prompt"]): r["decode_tokens_per_s"] for r in split
              if r["phase"] == "repeat" and bool(r.get("temperature")) == sampled}

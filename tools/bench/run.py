@@ -70,21 +70,18 @@ SWEEPS_FULL = {
 }
 SWEEPS_QUICK = {"budget": [{"fanout_budget": b} for b in (5, 8, 12)],
                 "c": [{"saguaro_c": c, "temperature": 0.7} for c in (1.0, 0.5)]}
-# Sized for 2 cores on which an AR token takes ~1 s (the AVX2-only EPYC; the Xeon of sessions 4-5 ran
-# AR at 2.5-2.9 tok/s): quick's goal is 10 minutes, full's 60.
+# Sized for 2 cores on which an AR token takes ~0.4-1 s: quick's goal is 10 minutes, full's 60.
 # - Both presets run their sweeps at the main table's length, on prompts of the main table, so a
 #   sweep's baseline is a main row (PIN): budget 12 and C 1.0 (temperature 0.7) are measured once.
 # - AR runs greedy only: its rate is one forward a token at any temperature (the temperature-0.7
 #   table shows greedy AR, labelled so).
-# - C = 0 rounds accept ~1 token (AR's pace: 1.6 min of session 14's quick run): quick stops at 0.5.
+# - C = 0 rounds accept ~1 token (AR's pace, 1.6 min of a quick run): quick stops at 0.5.
 # - quick sweeps and pairs the in-process runner on one prompt: ratios on one prompt are paired
 #   ratios still; full does both on the first prompt of each dataset.
-# - full: 64 tokens (128 until session 16: an estimated 95 minutes here) and the peer at K = 2, the issue's
-#   measured best for it.
-# - quick: 24 tokens (32 until session 17: 12.0 minutes), and the temperature-0.7 rows, the 2-thread
-#   rows and the peer on the HumanEval prompt only (each ratio is taken over the prompts both sides ran:
-#   report.paired_ratio). Of session 16's 12 minutes, 3.5 were fixed costs (two server starts and
-#   warm-ups, loading the peer), 2.5 prefill, 6 decoding.
+# - full: 64 tokens (128 would take about 95 minutes) and the peer at K = 2, its best measured K.
+# - quick: 24 tokens, and the temperature-0.7 rows, the 2-thread rows and the peer on the HumanEval
+#   prompt only (each ratio is taken over the prompts both sides ran: report.paired_ratio). About a
+#   third of its time is fixed cost (two server starts and warm-ups, loading the peer).
 ALL3 = "humaneval,gsm8k,mtbench"
 PRESETS = {
     "quick": Preset("humaneval,gsm8k", 1, 24, "humaneval", ("sd", "ssd"), "humaneval", SWEEPS_QUICK, "humaneval", "2",
@@ -175,10 +172,9 @@ class InProcess:
     def run(self, dataset: str, index: int, ids: list[int], mode: str) -> dict:
         if not self.ready:
             self.ready = self._read()["ready"]  # {"ready": true} once loaded (first-call allocations done)
-            # the served SSD warm-up in-process too: the policy's first records of the SSD backups
-            # (without it the in-process SSD rows paid for a 2-round probe of the never-run n-gram
-            # backup that the served ones had made in their warm-up: traced, 3.44 tokens a round
-            # against 4.0 served on the same prompts). AR and SD requests do not consult the policy.
+            # the served SSD warm-up in-process too, so the scheduler starts from the same records
+            # in both: without it the in-process SSD rows pay for exploring choices the served
+            # server explored in its warm-up. AR and SD requests do not consult the scheduler.
             self._job({"dataset": "warm-up", "index": -1, "ids": self.warm_ids, "mode": "ssd",
                        "max_tokens": WARM_TOKENS["ssd"]})
         return self._job({"dataset": dataset, "index": index, "ids": ids, "mode": mode})
@@ -296,8 +292,8 @@ def plan_split(pr: Preset, main_prompts: list[dict], sweep_prompts: list[dict]) 
             body = {**({} if v.get("mode") == "sd" else SSD_BASE), **v}
             jobs += [({**p, "phase": f"sweep:{name}", "mode": v.get("mode", "ssd")}, body) for p in sweep_prompts]
     # The SSD sweeps share one baseline, measured with the main table; measuring it again after the
-    # sweeps shows how far one request's rate moves between two minutes of this machine (session 17:
-    # a slow baseline made five sweeps "choose" a non-default), and a sweep's best then replaces the
+    # sweeps shows how far one request's rate moves between two minutes of this machine (a slow
+    # baseline would make every sweep "choose" a non-default), and a sweep's best then replaces the
     # shipped value only when it wins by more than that (report.sweeps). The C sweep's baseline, at
     # temperature 0.7, is repeated too: its spread also holds the luck of the sampled tokens.
     temps = {v.get("temperature", 0.0) for variants in pr.sweeps.values() for v in variants}

@@ -88,8 +88,8 @@ def packing_available(dtype: torch.dtype) -> bool:
 
 # Batch invariance. oneDNN's bf16 GEMM gives a row the same bits for any row count from 2 to 32
 # (the AVX-512 kernel); a single row takes a different path, and above 32 rows it switches to AMX
-# tiles whose results depend on the row count (measured on this Xeon for every projection of the
-# default target, 1 and 2 threads). So an exact forward runs its GEMMs in tiles of 2..32 rows and a
+# tiles whose results depend on the row count (measured on AVX-512 Xeons with AMX for every
+# projection of the default target, 1 and 2 threads). So an exact forward runs its GEMMs in tiles of 2..32 rows and a
 # row's logits do not depend on what else shares the forward: greedy output under any concurrency
 # equals the lone request's.
 TILE = 32
