@@ -6,10 +6,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: serve test venv engines bench bench-quick loadtest aiperf soak clean llama-server
 
-$(STAMP): requirements.txt
+# The pinned stack, then this repository's packages (ssd, ssd_tools, ssd_loadtest, ssd_openai; see
+# pyproject.toml) installed editable, so every script and test imports them by name.
+$(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip==24.3.1
 	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
 	@touch $(STAMP)
 
 venv: $(STAMP)

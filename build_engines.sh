@@ -126,6 +126,9 @@ fi
 
 run_step "torch engines" "$PYTHON" tools/build_engines.py "${TORCH_ARGS[@]}"
 if [[ "$BACKEND" == tensorrt_llm ]]; then
-  run_step "tensorrt_llm engines" "$TRTLLM_PYTHON" tools/trtllm_build.py "${TRT_ARGS[@]}"
+  # $TRTLLM_PYTHON may be another environment than $PYTHON's, without this repository installed:
+  # trtllm_build.py needs only the torch-free ssd.engine.meta from it.
+  run_step "tensorrt_llm engines" env PYTHONPATH="$PWD/backends/python_ssd${PYTHONPATH:+:$PYTHONPATH}" \
+    "$TRTLLM_PYTHON" tools/trtllm_build.py "${TRT_ARGS[@]}"
 fi
 echo "[build_engines] done ($BACKEND) in $((SECONDS - START)) s"

@@ -19,10 +19,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ssd_tools.prompts import load
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(REPO / "tools"))
-from prompts import load  # noqa: E402
 
 AIPERF = REPO / "build" / "aiperf-venv" / "bin" / "aiperf"
 

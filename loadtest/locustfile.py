@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -32,8 +31,7 @@ from locust import FastHttpUser, constant, events, task
 from locust import stats as locust_stats
 from locust.exception import StopUser
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from prompts import load  # noqa: E402
+from ssd_tools.prompts import load
 
 MODE = os.environ.get("SSD_MODE", "ssd")
 MAX_TOKENS = int(os.environ.get("SSD_MAX_TOKENS", "64"))

@@ -20,12 +20,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from ssd_loadtest.sweep import scrape, start_server, wait_idle
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(REPO / "tools"))
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO / "backends" / "python_ssd"))
-from sweep import scrape, start_server, wait_idle  # noqa: E402
 
 GOOD_FAILURES = ("failed", "greedy_mismatch")
 

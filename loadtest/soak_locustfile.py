@@ -18,7 +18,6 @@ import itertools
 import json
 import os
 import random
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -26,8 +25,7 @@ from urllib.parse import urlparse
 
 from locust import User, constant, events, task
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from prompts import load  # noqa: E402
+from ssd_tools.prompts import load
 
 MAX_TOKENS = int(os.environ.get("SSD_MAX_TOKENS", "32"))
 DATASETS = [d for d in os.environ.get("SSD_DATASETS", "humaneval,gsm8k,mtbench").split(",") if d]

@@ -33,11 +33,10 @@ from collections import defaultdict
 from pathlib import Path
 from urllib.parse import urlparse
 
+from ssd_loadtest.sweep_report import hit_rate, latency_fields, markdown, merge, plot, policy_fields, steady_rate
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(REPO / "tools"))
-sys.path.insert(0, str(HERE))
-from sweep_report import hit_rate, latency_fields, markdown, merge, plot, policy_fields, steady_rate  # noqa: E402
 
 TINY_TARGET = "smollm2-135m"
 LOOPBACK = ("127.0.0.1", "localhost")
@@ -99,10 +98,10 @@ def wait_idle(metrics_url: str, timeout: float = 180.0) -> dict:
 
 # -- server -----------------------------------------------------------------------------------------------
 def start_server(a):
-    from triton_launcher import TritonServer, render_repository
+    from ssd_tools.triton_launcher import TritonServer, render_repository
 
     if a.tiny:
-        from build_engines import build
+        from ssd_tools.build_engines import build
 
         engine_root = REPO / "build" / "test_engines"
         build(REPO / "engines" / "tiny.yaml", engine_root, REPO / "engines" / ".cache")  # no-op when built
@@ -113,7 +112,7 @@ def start_server(a):
             "drafter_backup": {"cores": "1"},
         }
     else:
-        from serve import engines_by_role
+        from ssd_tools.serve import engines_by_role
 
         engine_root = a.engine_root
         roles = engines_by_role(a.config)

@@ -8,14 +8,11 @@ weak one).
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "backends" / "python_ssd"))
-sys.path.insert(0, str(REPO / "tools"))
 ENGINE_ROOT = REPO / "build" / "test_engines"
 TARGET = "smollm2-135m"
 WEAK = "smollm2-135m-l6"
@@ -53,7 +50,7 @@ def derive_truncated(src: Path, dst: Path, layers: int) -> None:
 
 @pytest.fixture(scope="session")
 def engine_root() -> Path:
-    from build_engines import build
+    from ssd_tools.build_engines import build
 
     build(REPO / "engines" / "tiny.yaml", ENGINE_ROOT, REPO / "engines" / ".cache")
     derive_truncated(ENGINE_ROOT / TARGET, ENGINE_ROOT / WEAK, 6)
@@ -86,7 +83,7 @@ def codec(engine_root):
 def server(engine_root, tmp_path_factory):
     """A real tritonserver on free loopback ports serving the SSD models on the CI engines:
     target fp32 (exact greedy), drafter = the same weights in bf16; stopped after the session."""
-    from triton_launcher import TritonServer, render_repository
+    from ssd_tools.triton_launcher import TritonServer, render_repository
 
     repo = render_repository(tmp_path_factory.mktemp("repo") / "models", {
         "ssd": {"tokenizer": TARGET, "num_draft_tokens": "3", "fanout_budget": "6"},

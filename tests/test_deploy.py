@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tools"))
+from ssd_tools import deploy
 
-import deploy  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 def spec(name: str) -> dict:
@@ -54,7 +53,6 @@ def test_gpu_paper_layout_places_the_target_on_gpus_0_to_3_and_the_drafter_on_gp
 
 
 def test_the_gpu_instance_runs_on_the_gpu_triton_placed_it_on() -> None:
-    sys.path.insert(0, str(REPO / "backends/python_ssd"))
     from ssd.serving.roles import instance_device
 
     gpu4 = {"model_instance_kind": "GPU", "model_instance_device_id": "4"}

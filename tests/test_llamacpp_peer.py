@@ -17,12 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from ssd_tools.bench import llamacpp, report
+from ssd_tools.llamacpp.tiny_gguf import write_tiny_gguf
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tools" / "bench"))
-sys.path.insert(0, str(REPO / "tools" / "llamacpp"))
-import llamacpp  # noqa: E402
-import report  # noqa: E402
-from tiny_gguf import write_tiny_gguf  # noqa: E402
 
 N = 24
 PROMPT = [1, 300, 301, 320, 345, 290, 411]  # BOS, then vocabulary pieces

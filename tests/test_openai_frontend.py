@@ -19,8 +19,8 @@ MAX_TOKENS = 20
 
 @pytest.fixture(scope="module")
 def frontend(server, engine_root, tmp_path_factory):
-    from openai_launcher import OpenAIFrontend
-    from triton_launcher import free_port
+    from ssd_tools.openai_launcher import OpenAIFrontend
+    from ssd_tools.triton_launcher import free_port
 
     fe = OpenAIFrontend(engine_root / TARGET, server.grpc_url, port=free_port(),
                         log_file=tmp_path_factory.mktemp("openai") / "frontend.log")
@@ -160,8 +160,8 @@ def test_unknown_model_is_404(client):
 
 
 def test_triton_unavailable_is_503(engine_root, tmp_path):
-    from openai_launcher import OpenAIFrontend
-    from triton_launcher import free_port
+    from ssd_tools.openai_launcher import OpenAIFrontend
+    from ssd_tools.triton_launcher import free_port
 
     fe = OpenAIFrontend(engine_root / TARGET, f"127.0.0.1:{free_port()}", port=free_port(),
                         log_file=tmp_path / "frontend.log").start()

@@ -142,7 +142,7 @@ def test_factory_reads_the_runtime_from_the_engine_folder(engine_root, tmp_path)
 
 
 def test_build_records_the_runtime_in_engine_json(tmp_path):
-    from build_engines import record_runtime
+    from ssd_tools.build_engines import record_runtime
 
     (tmp_path / "engine.json").write_text(json.dumps({"dtype": "bfloat16", "source_sha256": "x"}))
     record_runtime(tmp_path, {"runtime": "openvino", "ov_weights": "int8"})

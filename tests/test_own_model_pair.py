@@ -72,7 +72,7 @@ def checkpoints(engine_root, tmp_path_factory):
 
 
 def test_local_pair_builds_and_serves(checkpoints, tmp_path):
-    from triton_launcher import free_port
+    from ssd_tools.triton_launcher import free_port
 
     profile = _profile(tmp_path / "my.yaml", checkpoints["target"], checkpoints["drafter"])
     out = tmp_path / "engines"

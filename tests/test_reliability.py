@@ -31,7 +31,7 @@ DEADLINE = 180  # seconds any wait may take before the test gives up (no timing 
 
 @pytest.fixture(scope="module")
 def srv(engine_root, tmp_path_factory):
-    from triton_launcher import TritonServer, render_repository
+    from ssd_tools.triton_launcher import TritonServer, render_repository
 
     repo = render_repository(tmp_path_factory.mktemp("relrepo") / "models", {
         "ssd": {"tokenizer": TARGET, "num_draft_tokens": "3", "fanout_budget": "6", "kv_budget_tokens": "2000"},

@@ -26,32 +26,26 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from scipy import stats
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "backends" / "python_ssd"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from ssd.algorithm import verification  # noqa: E402
-from ssd.algorithm.stats import RequestStats  # noqa: E402
-from ssd.algorithm.sampling import SamplingParams, probs_from_logits, sample, saguaro  # noqa: E402
-from ssd.algorithm.verification import Outcome  # noqa: E402
-from ssd.algorithm.scheduler import Scheduler  # noqa: E402
-from ssd.decoding.coalescer import CoalescingClient  # noqa: E402
-from ssd.decoding.generator import DecodeConfig, Generation, SharedState  # noqa: E402
-from ssd.decoding.local_client import LocalClient  # noqa: E402
-from ssd.engine.engine import ExtendCall, TorchEngine  # noqa: E402
-from ssd.workers import drafter as drafter_mod, target as target_mod  # noqa: E402
-from ssd.workers.drafter import DrafterWorker  # noqa: E402
-from ssd.workers.fast_backup import NgramWorker  # noqa: E402
-from ssd.workers.target import TargetWorker  # noqa: E402
-from tiny_models import load_weights, make_tiny_engine  # noqa: E402
+from ssd.algorithm import verification
+from ssd.algorithm.stats import RequestStats
+from ssd.algorithm.sampling import SamplingParams, probs_from_logits, sample, saguaro
+from ssd.algorithm.verification import Outcome
+from ssd.algorithm.scheduler import Scheduler
+from ssd.decoding.coalescer import CoalescingClient
+from ssd.decoding.generator import DecodeConfig, Generation, SharedState
+from ssd.decoding.local_client import LocalClient
+from ssd.engine.engine import ExtendCall, TorchEngine
+from ssd.workers import drafter as drafter_mod, target as target_mod
+from ssd.workers.drafter import DrafterWorker
+from ssd.workers.fast_backup import NgramWorker
+from ssd.workers.target import TargetWorker
+from tiny_models import load_weights, make_tiny_engine
 
 ALPHA = 1e-3
 N = int(os.environ.get("SSD_EXACTNESS_N", "1000"))  # generations per config (CI: ~2 min budget)

@@ -21,8 +21,6 @@ K = int(CONFIG["tensorrt_llm"]["max_draft_len"])
 TARGETS = [n for n, s in CONFIG["engines"].items() if s["role"] == "target"]
 DRAFTERS = [n for n, s in CONFIG["engines"].items() if s["role"] == "drafter"]
 HAS_TRTLLM = importlib.util.find_spec("tensorrt_llm") is not None
-sys.path.insert(0, str(ROOT / "backends/python_ssd"))
-sys.path.insert(0, str(ROOT / "tools"))
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -134,9 +132,8 @@ def oracle_logits(seq: list[int]) -> torch.Tensor:
 
 
 def test_engine_plumbing_with_stand_in_executor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    sys.path.insert(0, str(ROOT / "tests"))
     import trtllm_stand_in
-    from trtllm_build import plan_engine, settings
+    from ssd_tools.trtllm_build import plan_engine, settings
 
     from ssd.algorithm.sampling import SamplingParams
     from ssd.engine.trtllm_engine import TrtllmEngine

@@ -11,13 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "backends/python_ssd"))
-sys.path.insert(0, str(ROOT / "tools"))
-sys.path.insert(0, str(ROOT / "tests"))
-
-import trtllm_stand_in as tle  # noqa: E402
-from ssd.algorithm.sampling import SamplingParams  # noqa: E402
+import trtllm_stand_in as tle
+from ssd.algorithm.sampling import SamplingParams
 
 V = 8
 P = torch.tensor([0.4, 0.3, 0.2, 0.1, 0, 0, 0, 0])  # the sampled target's distribution at every position
@@ -43,7 +38,7 @@ def write_engine(root: Path, role: str, *, max_seq_len: int = 64, max_draft_len:
                  max_input_len: int | None = None, tp_size: int = 1) -> Path:
     """An engine folder as tools/trtllm_build.py lays it out, with small limits (``max_input_len``:
     an engine built elsewhere with a larger one)."""
-    from trtllm_build import plan_engine, settings
+    from ssd_tools.trtllm_build import plan_engine, settings
 
     s = settings({"tensorrt_llm": {"max_seq_len": max_seq_len, "max_draft_len": max_draft_len,
                                    "max_num_tokens": max_seq_len, "tp_size": {role: tp_size}}})

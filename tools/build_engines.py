@@ -19,10 +19,9 @@ from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).parent))
-from convert_gguf import convert  # noqa: E402
-from fetch_weights import ChecksumError, fetch  # noqa: E402
-from local_checkpoints import CheckpointError, check_same_tokenizer, check_source, convert_hf_dir, fingerprint  # noqa: E402
+from ssd_tools.convert_gguf import convert
+from ssd_tools.fetch_weights import ChecksumError, fetch
+from ssd_tools.local_checkpoints import CheckpointError, check_same_tokenizer, check_source, convert_hf_dir, fingerprint
 
 
 def engine_is_current(folder: Path, sha: str, dtype: str, keep_layers: int) -> bool:

@@ -28,22 +28,21 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+from safetensors.torch import save_file
+
+from ssd.algorithm.sampling import SamplingParams
+from ssd.decoding.coalescer import CoalescingClient
+from ssd.decoding.generator import DecodeConfig, Generation, SharedState
+from ssd.decoding.local_client import LocalClient
+from ssd.engine.engine import ExtendCall, TorchEngine
+from ssd.engine.model import ModelConfig
+from ssd.engine.static_engine import StaticEngine
+from ssd.workers.drafter import DrafterWorker
+from ssd.workers.fast_backup import NgramWorker
+from ssd.workers.target import TargetWorker
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "backends" / "python_ssd"))
-
-import torch  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-
-from ssd.algorithm.sampling import SamplingParams  # noqa: E402
-from ssd.decoding.coalescer import CoalescingClient  # noqa: E402
-from ssd.decoding.generator import DecodeConfig, Generation, SharedState  # noqa: E402
-from ssd.decoding.local_client import LocalClient  # noqa: E402
-from ssd.engine.engine import ExtendCall, TorchEngine  # noqa: E402
-from ssd.engine.model import ModelConfig  # noqa: E402
-from ssd.engine.static_engine import StaticEngine  # noqa: E402
-from ssd.workers.drafter import DrafterWorker  # noqa: E402
-from ssd.workers.fast_backup import NgramWorker  # noqa: E402
-from ssd.workers.target import TargetWorker  # noqa: E402
 
 
 def ranges(xs: list[int]) -> str:

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
 import time
 from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).parent))
-from openai_launcher import OpenAIFrontend  # noqa: E402
-from triton_launcher import REPO, TritonServer, render_repository  # noqa: E402
+from ssd_tools.openai_launcher import OpenAIFrontend
+from ssd_tools.triton_launcher import REPO, TritonServer, render_repository
 
 
 def engines_by_role(config: Path) -> dict[str, str]:

@@ -25,8 +25,7 @@ from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "python_ssd"))
-from ssd.engine.meta import trtllm_engine_dir  # noqa: E402  (torch-free: the runtime reads the same path)
+from ssd.engine.meta import trtllm_engine_dir  # torch-free: the runtime reads the same path
 
 DEFAULTS = {"version": "1.2", "examples_dir": "/workspace/TensorRT-LLM/examples", "max_draft_len": 4,
             "max_batch_size": 8, "max_seq_len": 4096, "max_input_len": None, "max_num_tokens": 4096,

@@ -7,6 +7,10 @@ coroutine, which the Python backend stub runs on its event loop (async, decouple
 import os
 import sys
 
+# Triton's Python backend stub loads this file by path from the backend directory. Started by
+# tools/triton_launcher.py the stub runs in the launcher's venv and would find an installed `ssd`,
+# but an image may copy backends/python_ssd without installing it, and an installed `ssd` may be
+# another checkout's: the backend always serves the `ssd` that sits next to this file.
 sys.path.insert(0, os.path.dirname(os.path.realpath(__file__)))
 
 from ssd.serving.roles import create_model  # noqa: E402

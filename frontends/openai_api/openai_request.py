@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from errors import ApiError
+from ssd_openai.errors import ApiError
 
 # SSD's knobs, accepted as extra body fields and passed through as the generate inputs of the same name
 SSD_FIELDS = {

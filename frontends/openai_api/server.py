@@ -12,22 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 import uuid
 from pathlib import Path
 
+import tritonclient.grpc.aio as grpcclient
 from aiohttp import web
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent.parent / "backends" / "python_ssd"))
-import tritonclient.grpc.aio as grpcclient  # noqa: E402
-
-from errors import ApiError  # noqa: E402
-from openai_request import GenerateCall, parse  # noqa: E402
-from ssd.decoding.text import TextCodec  # noqa: E402
-from triton_stream import generate  # noqa: E402
+from ssd.decoding.text import TextCodec
+from ssd_openai.errors import ApiError
+from ssd_openai.openai_request import GenerateCall, parse
+from ssd_openai.triton_stream import generate
 
 
 def _error_response(e: ApiError) -> web.Response:

@@ -14,7 +14,7 @@ import grpc
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from errors import ApiError, from_triton
+from ssd_openai.errors import ApiError, from_triton
 
 MODEL = "ssd"
 DRAIN_S = 5.0

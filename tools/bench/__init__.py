@@ -1,0 +1,1 @@
+"""The benchmark runner and its phases; importable as ``ssd_tools.bench``."""

@@ -17,14 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import mean  # noqa: E402
-from run import PIN, Progress, held_out_prompt, prompt_rows, run_served, set_server_defaults  # noqa: E402
-from triton_launcher import REPO  # noqa: E402
+from ssd_tools.bench.report import mean
+from ssd_tools.bench.run import PIN, Progress, held_out_prompt, prompt_rows, run_served, set_server_defaults
+from ssd_tools.triton_launcher import REPO
 
 
 def plan(variants: list[dict], prompts: list[dict], mode: str) -> list[tuple[dict, dict]]:

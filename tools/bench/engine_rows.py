@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "backends" / "python_ssd"))
 
 MODELS = {"target": "qwen2.5-coder-1.5b", "drafter": "qwen2.5-coder-0.5b"}
 # runtime label -> how the served configuration builds it (target: exact rows; drafter: its served options)

@@ -21,19 +21,18 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+
+from ssd.algorithm.sampling import SamplingParams
+from ssd.config import ServerConfig
+from ssd.decoding.generator import DecodeConfig, Generation, SharedState
+from ssd.decoding.local_client import LocalClient
+from ssd.engine.engine import TorchEngine
+from ssd.workers.drafter import DrafterWorker
+from ssd.workers.fast_backup import NgramWorker
+from ssd.workers.target import TargetWorker
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "backends" / "python_ssd"))
-
-import torch  # noqa: E402
-
-from ssd.algorithm.sampling import SamplingParams  # noqa: E402
-from ssd.config import ServerConfig  # noqa: E402
-from ssd.decoding.generator import DecodeConfig, Generation, SharedState  # noqa: E402
-from ssd.decoding.local_client import LocalClient  # noqa: E402
-from ssd.engine.engine import TorchEngine  # noqa: E402
-from ssd.workers.drafter import DrafterWorker  # noqa: E402
-from ssd.workers.fast_backup import NgramWorker  # noqa: E402
-from ssd.workers.target import TargetWorker  # noqa: E402
 
 _PARAM = re.compile(r'key:\s*"(\w+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"')
 

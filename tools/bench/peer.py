@@ -18,9 +18,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "backends" / "python_ssd"))
-from ssd.engine.engine import load_dtype  # noqa: E402
-from ssd.engine.meta import engine_meta  # noqa: E402
+from ssd.engine.engine import load_dtype
+from ssd.engine.meta import engine_meta
 
 
 class ForwardCount:

@@ -28,17 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import llamacpp  # noqa: E402
-import report  # noqa: E402
-from prompts import load  # noqa: E402
-from serve import engines_by_role  # noqa: E402
-from served import generate, start  # noqa: E402
-from triton_launcher import REPO  # noqa: E402
-
-sys.path.insert(0, str(REPO / "backends" / "python_ssd"))
-from ssd.config import ServerConfig  # noqa: E402
+from ssd.config import ServerConfig
+from ssd_tools.bench import llamacpp, report
+from ssd_tools.bench.served import generate, start
+from ssd_tools.prompts import load
+from ssd_tools.serve import engines_by_role
+from ssd_tools.triton_launcher import REPO
 
 
 @dataclass

@@ -7,14 +7,11 @@ Decode tokens/s (prefill excluded) come from the server's own per-request statis
 from __future__ import annotations
 
 import json
-import sys
 import time
 import urllib.request
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from serve import engines_by_role  # noqa: E402
-from triton_launcher import REPO, TritonServer, render_repository  # noqa: E402
+from ssd_tools.serve import engines_by_role
+from ssd_tools.triton_launcher import REPO, TritonServer, render_repository
 
 LAYOUTS = {"split": ("0", "1", "1"), "shared2": ("0,1", "0,1", "2")}
 

@@ -10,14 +10,11 @@ the one our server applies). Start the server with as many slots as users:
 """
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 from locust import FastHttpUser, constant, task
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "loadtest"))
-import locustfile as ssd_load  # noqa: E402  (its listeners: -i, the host check, the summary)
+from ssd_loadtest import locustfile as ssd_load  # its listeners: -i, the host check, the summary
 
 
 class LlamaServerUser(FastHttpUser):

@@ -1,10 +1,19 @@
-"""What a built engine folder says about itself, readable without torch (the orchestrator's text
-codec needs its eos ids; the Python backend stub keeps heavy imports out)."""
+"""Where a built engine folder is and what it says about itself, readable without torch (the
+orchestrator's text codec needs its eos ids; the Python backend stub keeps heavy imports out)."""
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+
+
+def resolve_engine_dir(name: str) -> str:
+    """Engine folders are named relative to SSD_ENGINE_ROOT (set by the launcher) or <repo>/engines."""
+    if os.path.isabs(name):
+        return name
+    root = os.environ.get("SSD_ENGINE_ROOT") or os.path.join(
+        os.path.dirname(os.path.realpath(__file__)), "..", "..", "..", "..", "engines")
+    return os.path.normpath(os.path.join(root, name))
 
 
 def engine_meta(folder: str | os.PathLike) -> dict:

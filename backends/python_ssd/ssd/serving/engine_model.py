@@ -12,9 +12,9 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
+from ..engine.meta import resolve_engine_dir
 from ..workers.factory import build_worker
 from ..workers.protocol import CallError, decode_calls, encode_results, worker_method
-from .roles import resolve_engine_dir
 
 
 def live_state(worker) -> tuple[int, int]:

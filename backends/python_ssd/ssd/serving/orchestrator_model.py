@@ -22,11 +22,11 @@ from ..decoding.coalescer import CoalescingClient
 from ..decoding.generator import Generation, SharedState
 from ..decoding.stopping import StopChecker
 from ..decoding.text import TextCodec
+from ..engine.meta import resolve_engine_dir
 from .bls_client import BLSClient
 from . import errors
 from .metrics import Metrics
 from .request_io import parse_request
-from .roles import resolve_engine_dir
 from .supervisor import EngineSupervisor, looks_like_engine_down
 
 BAD_INPUT = "INVALID_ARG"  # the server-side classes' codes are in errors.CODE

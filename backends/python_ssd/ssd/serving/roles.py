@@ -1,7 +1,8 @@
 """Picks the serving class for a model from its config's `role` parameter.
 
 Process set-up (threads, core pinning) happens here, before torch spins up its thread pool, so
-each engine really runs on its own "device" (one core each by default on CPU).
+each engine really runs on its own "device" (one core each by default on CPU). The model classes
+are imported only after it, and only the one the role needs; they import nothing from here.
 """
 from __future__ import annotations
 
@@ -47,12 +48,3 @@ def create_model(args: dict):
         return EngineModel(config, params, role)
     raise ValueError(f"model {config.get('name')}: parameter 'role' must be orchestrator, target, drafter "
                      f"or fast_backup, got {role!r}")
-
-
-def resolve_engine_dir(name: str) -> str:
-    """Engine folders are named relative to SSD_ENGINE_ROOT (set by the launcher) or <repo>/engines."""
-    if os.path.isabs(name):
-        return name
-    root = os.environ.get("SSD_ENGINE_ROOT") or os.path.join(
-        os.path.dirname(os.path.realpath(__file__)), "..", "..", "..", "..", "engines")
-    return os.path.normpath(os.path.join(root, name))

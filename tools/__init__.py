@@ -1,0 +1,1 @@
+"""Serving, engine-building, deployment and device tools; importable as ``ssd_tools``."""
