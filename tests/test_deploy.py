@@ -92,3 +92,18 @@ def test_kubernetes_replica_matches_the_gpu_spec() -> None:
         if line.startswith("COPY "):
             for src in line.split()[1:-1]:
                 assert list(REPO.glob(src.rstrip("/"))), src
+
+
+def test_the_shipped_engines_follow_their_profiles_runtime(tmp_path: Path) -> None:
+    """No engine model of the shipped repository pins engine_backend, so an engine folder's
+    `runtime` (engines/*.yaml -> engine.json) decides; a pinned value would silently win."""
+    import json
+
+    from ssd.workers.factory import _folder_runtime
+
+    for name in ("target", "drafter_primary"):
+        text = (REPO / "model_repository" / name / "config.pbtxt").read_text()
+        pinned = [line for line in text.splitlines() if '"engine_backend"' in line and 'string_value: ""' not in line]
+        assert not pinned, (name, pinned)
+    (tmp_path / "engine.json").write_text(json.dumps({"runtime": "openvino"}))
+    assert _folder_runtime(str(tmp_path)) == "openvino"

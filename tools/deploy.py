@@ -3,7 +3,7 @@
 One spec describes one replica: per model its interface (an engine server or the orchestrator),
 batching, instances, where it runs and its parameters. Placement fields:
 
-- ``engine``: the engine_backend parameter (torch | tensorrt_llm).
+- ``engine``: the engine_backend parameter (torch | openvino | tensorrt_llm).
 - ``gpus``: GPU ids. A tensorrt_llm model gets them as ``gpu_device_ids`` (one process leads
   the tensor-parallel group, so one KIND_CPU instance); a torch model runs one KIND_GPU
   instance per listed GPU, with ``device`` cuda.
@@ -89,8 +89,8 @@ def _parameters(name: str, spec: dict) -> list[tuple[str, str] | str]:
         items.append((key, value))
 
     if "engine" in spec:
-        if spec["engine"] not in ("torch", "tensorrt_llm"):
-            raise SpecError(f"models.{name}.engine must be torch or tensorrt_llm, got {spec['engine']!r}")
+        if spec["engine"] not in ("torch", "openvino", "tensorrt_llm"):
+            raise SpecError(f"models.{name}.engine must be torch, openvino or tensorrt_llm, got {spec['engine']!r}")
         put("engine_backend", spec["engine"])
     gpus = spec.get("gpus")
     if gpus:
