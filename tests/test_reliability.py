@@ -195,10 +195,16 @@ def test_drafter_death_mid_request_keeps_output_exact_and_the_drafter_comes_back
 
 
 def test_target_death_fails_only_the_request_in_flight(srv, reference):
-    before = _restarts(srv, "target")
-    ids, err, _ = _stream_with_fault(srv, {"text_input": PROMPT, "max_tokens": LONG, "mode": "sd"},
-                                     lambda: os.kill(stub_pid(srv, "target"), signal.SIGKILL))
     from ssd.serving.errors import http_status
+
+    for _ in range(3):  # the kill follows the first chunk; on a busy machine the request may end first
+        before = _restarts(srv, "target")
+        ids, err, _ = _stream_with_fault(srv, {"text_input": PROMPT, "max_tokens": LONG, "mode": "sd"},
+                                         lambda: os.kill(stub_pid(srv, "target"), signal.SIGKILL))
+        if err is not None:
+            break
+        assert ids == reference  # it finished before the fault landed: still exact
+        _recovery(srv, "target", before)
 
     assert err is not None and "target" in err and "retry" in err, err
     assert http_status(err) == 503, err  # "engine unavailable: ...": a server-side, retryable failure
