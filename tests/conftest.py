@@ -79,19 +79,38 @@ def codec(engine_root):
     return TextCodec(engine_root / TARGET)
 
 
-@pytest.fixture(scope="session")
-def server(engine_root, tmp_path_factory):
-    """A real tritonserver on free loopback ports serving the SSD models on the CI engines:
-    target fp32 (exact greedy), drafter = the same weights in bf16; stopped after the session."""
+def start_tiny_server(engine_root, tmp_path_factory, **ssd_params: str):
+    """A real tritonserver on free loopback ports serving the SSD models on the CI engines: target
+    fp32 (exact greedy), drafter = the same weights in bf16; ``ssd_params`` add to the ssd model's."""
     from ssd_tools.triton_launcher import TritonServer, render_repository
 
     repo = render_repository(tmp_path_factory.mktemp("repo") / "models", {
-        "ssd": {"tokenizer": TARGET, "num_draft_tokens": "3", "fanout_budget": "6"},
+        "ssd": {"tokenizer": TARGET, "num_draft_tokens": "3", "fanout_budget": "6", **ssd_params},
         "target": {"engine": TARGET, "cores": "0", "threads": "1", "dtype": "float32"},
         "drafter_primary": {"engine": TARGET, "cores": "1", "threads": "1", "dtype": "bfloat16"},
         "drafter_backup": {"cores": "1"},
     })
     srv = TritonServer(repo, engine_root, log_file=tmp_path_factory.mktemp("log") / "tritonserver.log")
     srv.start(timeout=300)
+    return srv
+
+
+@pytest.fixture(scope="session")
+def server(engine_root, tmp_path_factory):
+    """The shared tiny server, stopped after the session."""
+    srv = start_tiny_server(engine_root, tmp_path_factory)
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def frontend(server, engine_root, tmp_path_factory):
+    """The OpenAI-compatible frontend in front of ``server``."""
+    from ssd_tools.openai_launcher import OpenAIFrontend
+    from ssd_tools.triton_launcher import free_port
+
+    fe = OpenAIFrontend(engine_root / TARGET, server.grpc_url, port=free_port(),
+                        log_file=tmp_path_factory.mktemp("openai") / "frontend.log")
+    fe.start()
+    yield fe
+    fe.stop()

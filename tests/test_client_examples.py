@@ -10,21 +10,9 @@ import urllib.request
 
 import pytest
 
-from conftest import PROMPTS, REPO, TARGET
+from conftest import PROMPTS, REPO
 
 MAX_TOKENS = 16
-
-
-@pytest.fixture(scope="module")
-def frontend(server, engine_root, tmp_path_factory):
-    from ssd_tools.openai_launcher import OpenAIFrontend
-    from ssd_tools.triton_launcher import free_port
-
-    fe = OpenAIFrontend(engine_root / TARGET, server.grpc_url, port=free_port(),
-                        log_file=tmp_path_factory.mktemp("openai") / "frontend.log")
-    fe.start()
-    yield fe
-    fe.stop()
 
 
 @pytest.fixture(scope="module")

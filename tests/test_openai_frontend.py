@@ -18,18 +18,6 @@ MAX_TOKENS = 20
 
 
 @pytest.fixture(scope="module")
-def frontend(server, engine_root, tmp_path_factory):
-    from ssd_tools.openai_launcher import OpenAIFrontend
-    from ssd_tools.triton_launcher import free_port
-
-    fe = OpenAIFrontend(engine_root / TARGET, server.grpc_url, port=free_port(),
-                        log_file=tmp_path_factory.mktemp("openai") / "frontend.log")
-    fe.start()
-    yield fe
-    fe.stop()
-
-
-@pytest.fixture(scope="module")
 def client(frontend):
     return openai.OpenAI(base_url=frontend.base_url, api_key="unused", max_retries=0, timeout=300)
 

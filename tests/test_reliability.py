@@ -21,7 +21,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from conftest import TARGET
+from conftest import TARGET, start_tiny_server
 
 ENGINES = ("target", "drafter_primary", "drafter_backup")
 PROMPT = "Write a long story about a dragon."  # the tiny target writes all LONG tokens of it
@@ -31,16 +31,7 @@ DEADLINE = 180  # seconds any wait may take before the test gives up (no timing 
 
 @pytest.fixture(scope="module")
 def srv(engine_root, tmp_path_factory):
-    from ssd_tools.triton_launcher import TritonServer, render_repository
-
-    repo = render_repository(tmp_path_factory.mktemp("relrepo") / "models", {
-        "ssd": {"tokenizer": TARGET, "num_draft_tokens": "3", "fanout_budget": "6", "kv_budget_tokens": "2000"},
-        "target": {"engine": TARGET, "cores": "0", "threads": "1", "dtype": "float32"},
-        "drafter_primary": {"engine": TARGET, "cores": "1", "threads": "1", "dtype": "bfloat16"},
-        "drafter_backup": {"cores": "1"},
-    })
-    s = TritonServer(repo, engine_root, log_file=tmp_path_factory.mktemp("rellog") / "tritonserver.log")
-    s.start(timeout=300)
+    s = start_tiny_server(engine_root, tmp_path_factory, kv_budget_tokens="2000")
     yield s
     s.stop()
 
