@@ -6,7 +6,7 @@ local Hugging Face folder or GGUF file (tools/local_checkpoints.py): its archite
 before anything is converted, and the drafter's tokenizer against the target's once both are built.
 Idempotent: an engine folder whose engine.json records the same source checksum (a fingerprint for
 local sources), dtype and layer count is left alone. An engine's ``runtime`` (torch or openvino) and
-``ov_weights`` (f32 or int8) are recorded in its engine.json, where the serving factory reads them;
+``ov_weights`` (bf16, f32 or int8) are recorded in its engine.json, where the serving factory reads them;
 the OpenVINO graph itself is built from model.safetensors when it loads.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ def record_runtime(folder: Path, spec: dict) -> None:
         raise ValueError(f"engine {folder.name}: runtime must be one of {RUNTIMES}, got {runtime!r}")
     meta_path = folder / "engine.json"
     meta = json.loads(meta_path.read_text())
-    wanted = {"runtime": runtime, "ov_weights": spec.get("ov_weights", "f32")} if runtime == "openvino" else {}
+    wanted = {"runtime": runtime, "ov_weights": spec.get("ov_weights", "bf16")} if runtime == "openvino" else {}
     if {k: meta.get(k) for k in ("runtime", "ov_weights") if k in meta} != wanted:
         meta = {k: v for k, v in meta.items() if k not in ("runtime", "ov_weights")} | wanted
         meta_path.write_text(json.dumps(meta, indent=2))

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 MODELS = {"target": "qwen2.5-coder-1.5b", "drafter": "qwen2.5-coder-0.5b"}
 # runtime label -> how the served configuration builds it (target: exact rows; drafter: its served options)
-RUNTIMES = ("torch", "openvino-f32", "openvino-int8")
+RUNTIMES = ("torch", "openvino-bf16", "openvino-f32", "openvino-int8")
 
 
 def _engine(runtime: str, folder: Path, role: str, threads: int):

@@ -57,6 +57,27 @@ class SlotKV:
         return self.data.nbytes
 
 
+def compute_precision(core, weight_format: str):
+    """bf16 weights compute in bf16 where the CPU plugin's default precision is bf16 (native
+    AVX-512 BF16 or AMX), in f32 elsewhere (emulated bf16 is far slower than f32); f32 and int8
+    weights compute in f32."""
+    import openvino as ov
+    import openvino.properties.hint as hints
+
+    if weight_format == "bf16" and core.get_property("CPU", hints.inference_precision) == ov.Type.bf16:
+        return ov.Type.bf16
+    return ov.Type.f32
+
+
+# Key positions per sequence are multiples of this: bf16 GEMMs accumulate keys in pairs and blocks,
+# so a key's position modulo the block decides which partial sum it joins.
+KEY_ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return -(-n // KEY_ALIGN) * KEY_ALIGN
+
+
 class OpenVinoTransformer:
     """Runs RowBatch forwards (model.Transformer's interface) through one compiled graph."""
 
@@ -72,7 +93,9 @@ class OpenVinoTransformer:
         self.head_vocab = config.vocab_size
         self.weight_format = weight_format
         model = build_model(config, weights, weight_format)
-        cfg = {hints.inference_precision: ov.Type.f32, hints.performance_mode: hints.PerformanceMode.LATENCY,
+        core = ov.Core()
+        self.precision = compute_precision(core, weight_format)
+        cfg = {hints.inference_precision: self.precision, hints.performance_mode: hints.PerformanceMode.LATENCY,
                props.num_streams: 1, hints.dynamic_quantization_group_size: 0,
                hints.enable_cpu_pinning: False}
         if threads:
@@ -83,7 +106,7 @@ class OpenVinoTransformer:
         with tempfile.TemporaryDirectory(prefix="ov_engine_") as tmp:
             ov.save_model(model, f"{tmp}/model.xml", compress_to_fp16=False)
             del model
-            self.compiled = ov.Core().compile_model(f"{tmp}/model.xml", "CPU", cfg)
+            self.compiled = core.compile_model(f"{tmp}/model.xml", "CPU", cfg)
         self.request = self.compiled.create_infer_request()
 
     def new_kv(self, capacity: int = 256) -> SlotKV:
@@ -91,37 +114,44 @@ class OpenVinoTransformer:
         return SlotKV(c.num_layers, c.num_kv_heads, c.head_dim, capacity)
 
     def forward(self, batch: list[RowBatch], exact: bool = False) -> list[torch.Tensor]:
-        """Every row of every sequence in one inference. The sequences' committed slots are laid
-        side by side in ``past`` and each row's mask admits only its own sequence's slots, so a
-        row's logits do not depend on its company (``exact`` needs nothing more)."""
+        """Every row of every sequence in one inference. Each sequence's keys (its committed slots,
+        then its new rows) are laid out at a position that is a multiple of KEY_ALIGN, so its slot j
+        sits where it would sit alone (j mod KEY_ALIGN), and each row's mask admits only its own
+        sequence's keys: a row's logits do not depend on its company (``exact`` needs nothing more)."""
         sizes = [rb.tokens.numel() for rb in batch]
         n = sum(sizes)
+        pad = n == 1  # a one-row product takes a GEMV kernel: pair the row with a copy nobody sees
         if len(batch) == 1:
             past = batch[0].kv.data[: batch[0].start]
         else:
             past = np.concatenate([rb.kv.data[: rb.start] for rb in batch])
         p_total = past.shape[0]
-        mask = np.full((n, p_total + n), -np.inf, dtype=np.float32)
-        rows, p_off, r_off = [], 0, 0
-        for rb, k in zip(batch, sizes):
+        zero_slot = p_total + n + pad
+        spans = [_align(rb.start + k) for rb, k in zip(batch, sizes)]
+        length = sum(spans) + pad
+        key_slots = np.full(length, zero_slot, dtype=np.int64)
+        mask = np.full((n + pad, length), -np.inf, dtype=np.float32)
+        rows, p_off, r_off, base = [], 0, 0, 0
+        for rb, k, span in zip(batch, sizes, spans):
+            key_slots[base:base + rb.start] = np.arange(p_off, p_off + rb.start)
+            key_slots[base + rb.start:base + rb.start + k] = np.arange(p_total + r_off, p_total + r_off + k)
             if rb.visible is None:  # causal chunk: row i sees slots 0..start+i
                 vis = np.tril(np.ones((k, rb.start + k), dtype=bool), rb.start)
             else:
                 vis = rb.visible.numpy()
-            block = mask[r_off:r_off + k]
-            block[:, p_off:p_off + rb.start][vis[:, : rb.start]] = 0.0
-            block[:, p_total + r_off:p_total + r_off + k][vis[:, rb.start:]] = 0.0
+            mask[r_off:r_off + k, base:base + rb.start + k][vis] = 0.0
             rows.extend(range(r_off + rb.logits_from, r_off + k))
             p_off += rb.start
             r_off += k
+            base += span
         tokens = torch.cat([rb.tokens for rb in batch]).numpy()
         positions = torch.cat([rb.positions for rb in batch]).numpy()
-        if n == 1:  # a one-row product takes a GEMV kernel: pair the row with a copy nobody sees
+        if pad:  # the copy sees only its own key, in the last position
             tokens, positions = np.repeat(tokens, 2), np.repeat(positions, 2)
-            mask = np.concatenate([np.concatenate([mask, np.full((1, 1), -np.inf, np.float32)], 1)] * 2)
+            key_slots[-1] = p_total + 1
             mask[1, -1] = 0.0
-        inputs = {"tokens": tokens, "positions": positions, "past": np.ascontiguousarray(past), "mask": mask,
-                  "logit_rows": np.asarray(rows, dtype=np.int64)}
+        inputs = {"tokens": tokens, "positions": positions, "past": np.ascontiguousarray(past),
+                  "key_slots": key_slots, "mask": mask, "logit_rows": np.asarray(rows, dtype=np.int64)}
         self.request.infer(inputs, share_inputs=True)
         logits = torch.from_numpy(self.request.get_tensor("logits").data.copy())
         new_kv = self.request.get_tensor("new_kv").data
@@ -138,7 +168,7 @@ class OpenVinoEngine(TorchEngine):
     (the built engine's values exactly) or "int8" (weight-only, one scale per output channel: a
     quarter of the bytes, decode faster; see docs/cpu_engine.md). ``threads``: OpenVINO's threads."""
 
-    def __init__(self, folder: str | os.PathLike, weights: str = "f32", threads: int | None = None,
+    def __init__(self, folder: str | os.PathLike, weights: str = "bf16", threads: int | None = None,
                  exact: bool = True, max_sequences: int = 64, max_len: int | None = None):
         folder = Path(folder)
         with open(folder / "config.json") as f:
@@ -148,7 +178,7 @@ class OpenVinoEngine(TorchEngine):
         self.device = torch.device("cpu")
         self.dtype = torch.float32
         tensors = load_file(str(folder / "model.safetensors"))
-        self.model = OpenVinoTransformer(self.config, tensors, weights or "f32", threads)
+        self.model = OpenVinoTransformer(self.config, tensors, weights or "bf16", threads)
         del tensors
         _release_freed_memory()
         eos = hf.get("eos_token_id", [])

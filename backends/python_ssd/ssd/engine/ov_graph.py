@@ -11,7 +11,10 @@ Attention normalises with the same GEMM that applies the values (a column of one
 instead of a Softmax node: a vectorised softmax sums across its row in lanes, so a row's sum
 depends on how long the row is (how many masked slots share the forward), while a GEMM accumulates
 each output along the keys in order, and masked slots add exact zeros. So a row's attention does not
-depend on how many other rows or sequences share its forward.
+depend on how many other rows or sequences share its forward, provided each key sits at the same
+position modulo the kernel's accumulation grouping: bf16 GEMMs add products in pairs of keys (and in
+blocks), so the caller places every sequence's keys at a position congruent to its slot number
+(``key_slots`` gathers them there; gaps read a zero slot and are masked).
 """
 from __future__ import annotations
 
@@ -23,12 +26,20 @@ import torch
 from .model import ModelConfig
 
 
-WEIGHTS = ("f32", "int8")
+WEIGHTS = ("f32", "bf16", "int8")
 
 
 def _const(t: torch.Tensor) -> ov.Node:
     # shared: the constant keeps the array alive instead of copying it (one f32 copy of each weight)
     return ops.constant(t.detach().float().contiguous().numpy(), shared_memory=True)
+
+
+def _bf16_const(t: torch.Tensor) -> ov.Node:
+    """The bf16 values as an OpenVINO bf16 constant (numpy has no bf16: the bits travel as uint16)."""
+    bits = t.detach().to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
+    tensor = ov.Tensor(ov.Type.bf16, list(bits.shape))
+    tensor.data.view(np.uint16)[...] = bits
+    return ov.op.Constant(tensor)
 
 
 def _weight(t: torch.Tensor, weights: str) -> tuple[ov.Node, ov.Node | None]:
@@ -38,6 +49,8 @@ def _weight(t: torch.Tensor, weights: str) -> tuple[ov.Node, ov.Node | None]:
     with the row count, so int8 is for drafters only. Returns (constant, scale or None)."""
     if weights == "f32":
         return _const(t), None
+    if weights == "bf16":
+        return _bf16_const(t), None
     wf = t.detach().float()
     scale = (wf.abs().amax(1, keepdim=True) / 127).clamp(min=1e-12)
     q = torch.round(wf / scale).clamp(-127, 127).to(torch.int8)
@@ -45,7 +58,13 @@ def _weight(t: torch.Tensor, weights: str) -> tuple[ov.Node, ov.Node | None]:
 
 
 def _widened(node: ov.Node, scale: ov.Node | None) -> ov.Node:
-    return node if scale is None else ops.multiply(ops.convert(node, ov.Type.f32), scale)
+    """The weight as the graph computes with it: bf16 converted (the plugin keeps it bf16 where it
+    computes in bf16), int8 converted and scaled (its decompression pattern), f32 as is."""
+    if scale is not None:
+        return ops.multiply(ops.convert(node, ov.Type.f32), scale)
+    if node.get_output_element_type(0) != ov.Type.f32:
+        return ops.convert(node, ov.Type.f32)
+    return node
 
 
 def _i64(values) -> ov.Node:
@@ -53,7 +72,8 @@ def _i64(values) -> ov.Node:
 
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], weight_format: str = "f32") -> ov.Model:
-    """Inputs: tokens [n] i64, positions [n] i64, past [P, layers, 2, Hkv, D] f32, mask [n, P+n] f32
+    """Inputs: tokens [n] i64, positions [n] i64, past [P, layers, 2, Hkv, D] f32, key_slots [L] i64
+    (each key position's source in past + new rows + one zero slot at P + n), mask [n, L] f32
     (0 or -inf), logit_rows [m] i64. Outputs: logits [m, V] f32, new_kv [n, layers, 2, Hkv, D] f32."""
     c = config
     hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
@@ -61,9 +81,10 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], weight_fo
     tokens = ops.parameter([-1], ov.Type.i64, name="tokens")
     positions = ops.parameter([-1], ov.Type.i64, name="positions")
     past = ops.parameter([-1, c.num_layers, 2, hkv, d], ov.Type.f32, name="past")
+    key_slots = ops.parameter([-1], ov.Type.i64, name="key_slots")
     mask = ops.parameter([-1, -1], ov.Type.f32, name="mask")
     logit_rows = ops.parameter([-1], ov.Type.i64, name="logit_rows")
-    for p in (tokens, positions, past, mask, logit_rows):
+    for p in (tokens, positions, past, key_slots, mask, logit_rows):
         p.output(0).set_names({p.get_friendly_name()})
 
     w = weights
@@ -71,6 +92,8 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], weight_fo
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weight_format!r}")
     embed, embed_scale = _weight(w["model.embed_tokens.weight"], weight_format)
     x = ops.gather(embed, tokens, _i64(0))  # [n, hidden]
+    if weight_format == "bf16":
+        x = ops.convert(x, ov.Type.f32)
     if embed_scale is not None:
         x = ops.multiply(ops.convert(x, ov.Type.f32), ops.gather(embed_scale, tokens, _i64(0)))
 
@@ -112,8 +135,9 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], weight_fo
                                     _i64(1)))  # [n, 1, 2, Hkv, D]
         past_k = ops.gather(ops.gather(past, _i64(i), _i64(1)), _i64(0), _i64(1))  # [P, Hkv, D]
         past_v = ops.gather(ops.gather(past, _i64(i), _i64(1)), _i64(1), _i64(1))
-        keys = ops.transpose(ops.concat([past_k, k], 0), _i64([1, 0, 2]))  # [Hkv, L, D]
-        values = ops.transpose(ops.concat([past_v, v], 0), _i64([1, 0, 2]))
+        zero = ops.constant(np.zeros((1, hkv, d), dtype=np.float32))
+        keys = ops.transpose(ops.gather(ops.concat([past_k, k, zero], 0), key_slots, _i64(0)), _i64([1, 0, 2]))
+        values = ops.transpose(ops.gather(ops.concat([past_v, v, zero], 0), key_slots, _i64(0)), _i64([1, 0, 2]))
         # queries grouped by KV head, [Hkv, group*n, D]: one GEMM per KV head with at least two rows
         # (a one-row product takes a GEMV kernel whose sums differ from the GEMM's in the last bit)
         qg = ops.reshape(ops.transpose(q, _i64([1, 0, 2])), _i64([hkv, -1, d]), False)
@@ -145,4 +169,4 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], weight_fo
     logits.output(0).set_names({"logits"})
     kv_out = ops.concat(new_kv, 1)
     kv_out.output(0).set_names({"new_kv"})
-    return ov.Model([logits, kv_out], [tokens, positions, past, mask, logit_rows], "decoder")
+    return ov.Model([logits, kv_out], [tokens, positions, past, key_slots, mask, logit_rows], "decoder")

@@ -35,7 +35,7 @@ def build_worker(role: str, params: dict[str, str], engine_dir: str | None):
     max_sequences = int(params.get("max_sequences") or 64)
     if backend == "openvino":
         from ..engine.ov_engine import OpenVinoEngine
-        weights = params.get("ov_weights") or _folder_meta(engine_dir).get("ov_weights") or "f32"
+        weights = params.get("ov_weights") or _folder_meta(engine_dir).get("ov_weights") or "bf16"
         return _worker(role, OpenVinoEngine(engine_dir, weights=weights, threads=threads, exact=exact,
                                             max_sequences=max_sequences))
     from ..engine.engine import TorchEngine
