@@ -13,13 +13,12 @@ summary: output tokens/s, request latency, TTFT, inter-token latency.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-from ssd_tools.prompts import load
+from ssd_loadtest.traffic import prompts as interleaved_prompts
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -28,8 +27,7 @@ AIPERF = REPO / "build" / "aiperf-venv" / "bin" / "aiperf"
 
 
 def write_dataset(path: Path, datasets: list[str], per_dataset: int) -> int:
-    sets = [load(ds, per_dataset) for ds in datasets]
-    prompts = [p for group in itertools.zip_longest(*sets) for p in group if p]
+    prompts = interleaved_prompts(datasets, per_dataset)  # the Locust users' prompts, in their order
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({"text": p}) + "\n" for p in prompts))
     return len(prompts)

@@ -24,6 +24,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Callable
 from urllib.parse import urlparse
 
 import gevent
@@ -31,19 +32,16 @@ from locust import FastHttpUser, constant, events, task
 from locust import stats as locust_stats
 from locust.exception import StopUser
 
-from ssd_tools.prompts import load
+from ssd_loadtest import traffic
 
 MODE = os.environ.get("SSD_MODE", "ssd")
 MAX_TOKENS = int(os.environ.get("SSD_MAX_TOKENS", "64"))
 DATASETS = [d for d in os.environ.get("SSD_DATASETS", "humaneval,gsm8k,mtbench").split(",") if d]
 PER_DATASET = int(os.environ.get("SSD_PROMPTS_PER_DATASET", "16"))
 SUMMARY = os.environ.get("SSD_SUMMARY", "")
-ALLOWED_HOSTS = ("127.0.0.1", "localhost")
 HEADERS = {"Accept-Encoding": "identity"}  # SSE lines must arrive as sent, uncompressed
 
-# Interleaved across datasets, so consecutive requests (and concurrent users) get different kinds.
-_sets = [load(ds, PER_DATASET) for ds in DATASETS]
-PROMPTS = [p for group in itertools.zip_longest(*_sets) for p in group if p]
+PROMPTS = traffic.prompts(DATASETS, PER_DATASET)
 _next_prompt = itertools.count()
 
 STATE = {"started": 0, "done": 0, "quitting": False, "tokens": 0, "requests": 0, "failures": 0,
@@ -59,7 +57,7 @@ def _(parser):
 @events.init.add_listener
 def _check_host(environment, **_kw):
     host = urlparse(environment.host or "").hostname
-    if host not in ALLOWED_HOSTS:
+    if host not in traffic.LOOPBACK:
         raise SystemExit(f"loadtest: refusing host {environment.host!r}: only http://127.0.0.1:PORT targets")
 
 
@@ -108,42 +106,51 @@ def _end(user, ok: bool, tokens: int, latency_ms: float) -> None:
         gevent.spawn_later(0.1, user.environment.runner.quit)  # not from inside this user's greenlet
 
 
-def n_ids(v) -> int:
-    """Triton's JSON writes a one-element output_ids as a bare number, not a list."""
-    if v is None:
-        return 0
-    return len(v) if isinstance(v, list) else 1
+def next_prompt() -> str:
+    """The prompts in turn, shared by all users of this process."""
+    return PROMPTS[next(_next_prompt) % len(PROMPTS)]
 
 
 def _body(stream: bool) -> dict:
-    prompt = PROMPTS[next(_next_prompt) % len(PROMPTS)]
-    return {"text_input": prompt, "max_tokens": MAX_TOKENS, "mode": MODE, "temperature": 0.0, "stream": stream}
+    return traffic.body(next_prompt(), MAX_TOKENS, MODE, stream)
 
 
-class GenerateUser(FastHttpUser):
+class ClosedLoopUser(FastHttpUser):
+    """A user that sends its next request as soon as the last one ended, each one counted
+    (``_begin``/``_end``: the -i limit, the TOKENS entries, the summary)."""
+
+    abstract = True
     wait_time = constant(0)
     network_timeout = 600.0
     connection_timeout = 60.0
 
-    @task
-    def generate(self):
+    def post_counted(self, path: str, body: dict, name: str, count: Callable[[dict], int]) -> None:
+        """POSTs ``body``; a 200 whose JSON ``count`` reads (the output tokens) is a success; any
+        other status, or a body ``count`` raises on, is a failure."""
         _begin(self)
         t0 = time.perf_counter()
         ok, n = False, 0
-        with self.client.post("/v2/models/ssd/generate", json=_body(False), headers=HEADERS, name="generate",
-                              catch_response=True) as resp:
+        with self.client.post(path, json=body, headers=HEADERS, name=name, catch_response=True) as resp:
             try:
                 if resp.status_code != 200:
                     resp.failure(f"HTTP {resp.status_code}: {(resp.text or '')[:200]}")
                 else:
-                    d = resp.json()
-                    if "error" in d or "output_ids" not in d:
-                        resp.failure(f"bad response: {str(d)[:200]}")
-                    else:
-                        n, ok = n_ids(d["output_ids"]), True
+                    n, ok = count(resp.json()), True
             except Exception as e:  # noqa: BLE001 - a malformed body is a failure, not a crash
                 resp.failure(f"{type(e).__name__}: {e}")
         _end(self, ok, n, 1000 * (time.perf_counter() - t0))
+
+
+def _generated(d: dict) -> int:
+    if "error" in d or "output_ids" not in d:
+        raise ValueError(f"bad response: {str(d)[:200]}")
+    return len(traffic.output_ids(d["output_ids"]))
+
+
+class GenerateUser(ClosedLoopUser):
+    @task
+    def generate(self):
+        self.post_counted(traffic.GENERATE, _body(False), "generate", _generated)
 
 
 class StreamUser(FastHttpUser):
@@ -160,7 +167,7 @@ class StreamUser(FastHttpUser):
         _begin(self)
         t0 = time.perf_counter()
         ok, n, chunks, stamps, error = False, 0, 0, [], None
-        with self.client.post("/v2/models/ssd/generate_stream", json=_body(True), headers=HEADERS,
+        with self.client.post(traffic.GENERATE_STREAM, json=_body(True), headers=HEADERS,
                               name="generate_stream", stream=True, catch_response=True) as resp:
             try:
                 if resp.status_code != 200:
@@ -178,7 +185,7 @@ class StreamUser(FastHttpUser):
                         if "error" in d:
                             error = f"stream error: {str(d['error'])[:200]}"
                             break
-                        k = n_ids(d.get("output_ids"))
+                        k = len(traffic.output_ids(d.get("output_ids")))
                         if k:
                             stamps.append(time.perf_counter())
                             n += k

@@ -17,10 +17,10 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
-from ssd_loadtest.sweep import scrape, start_server, wait_idle
+from ssd_loadtest.sweep import start_server
+from ssd_tools.runner import locust_cmd, rss_kb, scrape, wait_idle, warm_up
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -32,20 +32,10 @@ def processes(server_pid: int) -> dict[str, tuple[int, int]]:
     """{name: (pid, RSS bytes)} of tritonserver and its model processes (by instance name)."""
     from ssd.serving.supervisor import stub_instances
 
-    def rss(pid: int) -> int:
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return 0
-
-    out = {"tritonserver": (server_pid, rss(server_pid))}
+    out = {"tritonserver": (server_pid, rss_kb(server_pid) * 1024)}
     for model, pids in sorted(stub_instances(server_pid).items()):
         for i, pid in enumerate(sorted(pids)):
-            out[model if len(pids) == 1 else f"{model}#{i}"] = (pid, rss(pid))
+            out[model if len(pids) == 1 else f"{model}#{i}"] = (pid, rss_kb(pid) * 1024)
     return out
 
 
@@ -62,14 +52,6 @@ def live_after_settle(metrics_url: str, timeout: float) -> dict[str, float]:
         time.sleep(1)
         live = engine_gauges(metrics_url, "ssd_engine_live_sequences")
     return live
-
-
-def warm(url: str, max_tokens: int) -> None:
-    for mode in ("ar", "sd", "ssd"):
-        body = {"text_input": "Say hi.", "max_tokens": min(8, max_tokens), "mode": mode}
-        req = urllib.request.Request(f"{url}/v2/models/ssd/generate", data=json.dumps(body).encode())
-        with urllib.request.urlopen(req, timeout=900) as r:
-            r.read()
 
 
 def report(outcomes: dict, errors: dict, mem0: dict, mem1: dict, live: dict, restarts: dict, minutes: float) -> bool:
@@ -121,7 +103,7 @@ def main() -> None:
         server_pid = srv.proc.pid
     ok = False
     try:
-        warm(url, a.max_tokens)
+        warm_up(url, max_tokens=min(8, a.max_tokens))
         wait_idle(metrics_url)
         mem0 = processes(server_pid) if server_pid else {}
         restarts0 = engine_gauges(metrics_url, "ssd_engine_restarts_total")
@@ -129,10 +111,10 @@ def main() -> None:
         summary.unlink(missing_ok=True)
         env = dict(os.environ, SSD_SOAK_SUMMARY=str(summary), SSD_MAX_TOKENS=str(a.max_tokens),
                    SSD_PROMPTS_PER_DATASET=str(a.prompts_per_dataset))
-        cmd = [sys.executable, "-m", "locust", "-f", str(HERE / "soak_locustfile.py"), "--headless",
-               "-u", str(a.users), "-r", str(a.users), "--run-time", f"{int(a.minutes * 60)}s",
-               "--stop-timeout", str(int(a.settle)), "--host", url, "--only-summary",
-               "--csv", str(a.out / "soak"), "SoakUser"]
+        cmd = locust_cmd() + ["-f", str(HERE / "soak_locustfile.py"), "--headless",
+                              "-u", str(a.users), "-r", str(a.users), "--run-time", f"{int(a.minutes * 60)}s",
+                              "--stop-timeout", str(int(a.settle)), "--host", url, "--only-summary",
+                              "--csv", str(a.out / "soak"), "SoakUser"]
         print(f"[soak] {a.users} users for {a.minutes:g} min against {url} ...", flush=True)
         with open(a.out / "locust.log", "w") as log:
             subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)

@@ -14,7 +14,6 @@ Requests go through http.client on Locust's gevent-patched sockets, so a cancel 
 from __future__ import annotations
 
 import http.client
-import itertools
 import json
 import os
 import random
@@ -25,7 +24,7 @@ from urllib.parse import urlparse
 
 from locust import User, constant, events, task
 
-from ssd_tools.prompts import load
+from ssd_loadtest import traffic
 
 MAX_TOKENS = int(os.environ.get("SSD_MAX_TOKENS", "32"))
 DATASETS = [d for d in os.environ.get("SSD_DATASETS", "humaneval,gsm8k,mtbench").split(",") if d]
@@ -43,8 +42,7 @@ BAD = [  # (body, the field its error must name)
     ({"text_input": "hi", "top_k": -3}, "top_k"),
 ]
 
-_sets = [load(ds, PER_DATASET) for ds in DATASETS]
-PROMPTS = [p for group in itertools.zip_longest(*_sets) for p in group if p]
+PROMPTS = traffic.prompts(DATASETS, PER_DATASET)
 COUNTS: Counter = Counter()
 ERRORS: Counter = Counter()  # failure messages (first 160 characters), for the report
 GREEDY: dict[str, list[int]] = {}
@@ -57,17 +55,12 @@ def _write_summary(environment, **_kw):
                                              "greedy_prompts": len(GREEDY)}))
 
 
-def _ids(v) -> list[int]:
-    """Triton's JSON writes a one-element output_ids as a bare number."""
-    return [] if v is None else (v if isinstance(v, list) else [v])
-
-
 class SoakUser(User):
     wait_time = constant(0)
 
     def on_start(self):
         u = urlparse(self.host)
-        if u.hostname not in ("127.0.0.1", "localhost"):
+        if u.hostname not in traffic.LOOPBACK:
             raise SystemExit(f"soak: refusing host {self.host!r}: only http://127.0.0.1:PORT targets")
         self.addr = (u.hostname, u.port or 80)
         self.rng = random.Random()
@@ -89,15 +82,14 @@ class SoakUser(User):
     def good(self):
         prompt = self.rng.choice(PROMPTS)
         mode, stream, greedy = self.rng.choice(MODES), self.rng.random() < 0.5, self.rng.random() < 2 / 3
-        body = {"text_input": prompt, "max_tokens": MAX_TOKENS, "mode": mode}
-        if not greedy:
-            body.update(temperature=0.7, top_p=0.95, seed=self.rng.randrange(2**31))
+        sampling = {} if greedy else {"temperature": 0.7, "top_p": 0.95, "seed": self.rng.randrange(2**31)}
+        body = traffic.body(prompt, MAX_TOKENS, mode, stream, **sampling)
         name = f"good {'stream' if stream else 'whole'} {'greedy' if greedy else 'sampled'}"
         t0 = time.perf_counter()
         ids, error = [], None
         try:
             if stream:
-                conn, resp = self._open("/v2/models/ssd/generate_stream", {**body, "stream": True})
+                conn, resp = self._open(traffic.GENERATE_STREAM, body)
                 if resp.status != 200:
                     error = f"HTTP {resp.status}: {resp.read()[:160]!r}"
                 for raw in resp if error is None else ():
@@ -107,14 +99,14 @@ class SoakUser(User):
                         if "error" in ev:
                             error = f"stream error: {ev['error']}"
                             break
-                        ids += _ids(ev.get("output_ids"))
+                        ids += traffic.output_ids(ev.get("output_ids"))
             else:
-                conn, resp = self._open("/v2/models/ssd/generate", body)
+                conn, resp = self._open(traffic.GENERATE, body)
                 data = resp.read()
                 if resp.status != 200:
                     error = f"HTTP {resp.status}: {data[:160]!r}"
                 else:
-                    ids = _ids(json.loads(data).get("output_ids"))
+                    ids = traffic.output_ids(json.loads(data).get("output_ids"))
             conn.close()
         except Exception as e:  # noqa: BLE001 - a broken connection is a failure to count
             error = f"{type(e).__name__}: {e}"
@@ -132,11 +124,10 @@ class SoakUser(User):
 
     @task(1)
     def cancel(self):
-        body = {"text_input": self.rng.choice(PROMPTS), "max_tokens": MAX_TOKENS * 4,
-                "mode": self.rng.choice(MODES), "stream": True}
+        body = traffic.body(self.rng.choice(PROMPTS), MAX_TOKENS * 4, self.rng.choice(MODES), stream=True)
         t0 = time.perf_counter()
         try:
-            conn, resp = self._open("/v2/models/ssd/generate_stream", body)
+            conn, resp = self._open(traffic.GENERATE_STREAM, body)
             while resp.status == 200 and not resp.fp.readline().startswith(b"data:"):
                 pass
             conn.sock.close()  # hang up mid-stream
@@ -151,7 +142,7 @@ class SoakUser(User):
         body, field = self.rng.choice(BAD)
         t0 = time.perf_counter()
         try:
-            conn, resp = self._open("/v2/models/ssd/generate", body)
+            conn, resp = self._open(traffic.GENERATE, body)
             text = resp.read().decode("utf-8", "replace")
             conn.close()
         except Exception as e:  # noqa: BLE001

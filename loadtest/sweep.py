@@ -14,9 +14,10 @@ parts' time, percentiles over all latencies; parts_tok_s lists each part's rate)
 drifts by tens of percent within minutes, and a mode whose whole cell fell in a slow stretch would
 otherwise read as the slower mode.
 
-Outputs under --out (default results/loadtest/): sweep.csv, throughput.png, latency.png, and per
+Outputs under --out (default results/loadtest/): report.md, sweep.csv, throughput.png, latency.png, and per
 cell cells/<mode>_u<N>{_stats.csv,_failures.csv,.html,_summary.json,.log}. The figures, the merge
-and the outputs are in sweep_report.py.
+and the outputs are in sweep_report.py; the server, the metrics and the warm-up are the bench's
+(ssd_tools.runner).
 """
 from __future__ import annotations
 
@@ -24,21 +25,19 @@ import argparse
 import csv
 import json
 import os
-import re
 import subprocess
-import sys
 import time
-import urllib.request
 from collections import defaultdict
 from pathlib import Path
 from urllib.parse import urlparse
 
-from ssd_loadtest.sweep_report import hit_rate, latency_fields, markdown, merge, plot, policy_fields, steady_rate
+from ssd_loadtest.sweep_report import (hit_rate, latency_fields, markdown, merge, plot, policy_fields, steady_rate,
+                                       write_report)
+from ssd_tools.runner import config_pair, locust_cmd, start_pair, tiny_pair, wait_idle, warm_up
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
-TINY_TARGET = "smollm2-135m"
 LOOPBACK = ("127.0.0.1", "localhost")
 FIELDS = ["mode", "users", "user_class", "requests", "failures", "rps", "output_tokens", "output_tokens_per_s",
           "steady_tokens_per_s",
@@ -49,28 +48,6 @@ FIELDS = ["mode", "users", "user_class", "requests", "failures", "rps", "output_
 
 
 # -- Prometheus ---------------------------------------------------------------------------------------
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_metrics(text: str) -> dict[tuple[str, frozenset], float]:
-    out = {}
-    for line in text.splitlines():
-        if not line.startswith("ssd_"):
-            continue
-        head, _, value = line.rpartition(" ")
-        name, _, labels = head.partition("{")
-        try:
-            out[(name, frozenset(_LABEL.findall(labels)))] = float(value)
-        except ValueError:
-            pass
-    return out
-
-
-def scrape(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return parse_metrics(r.read().decode())
-
-
 def by_label(before: dict, after: dict, name: str, label: str | None = None, **match) -> dict[str, float]:
     """Delta of counter ``name`` summed per value of ``label`` (or under "" when label is None)."""
     out: dict[str, float] = defaultdict(float)
@@ -84,69 +61,14 @@ def by_label(before: dict, after: dict, name: str, label: str | None = None, **m
     return {k: v for k, v in out.items() if v}
 
 
-def wait_idle(metrics_url: str, timeout: float = 180.0) -> dict:
-    deadline = time.time() + timeout
-    while True:
-        m = scrape(metrics_url)
-        active = sum(v for (n, _), v in m.items() if n == "ssd_active_requests")
-        if active == 0 or time.time() > deadline:
-            if active:
-                print(f"[loadtest] warning: {active:.0f} requests still active on the server", flush=True)
-            return m
-        time.sleep(0.5)
-
-
-# -- server -----------------------------------------------------------------------------------------------
 def start_server(a):
-    from ssd_tools.triton_launcher import TritonServer, render_repository
-
-    if a.tiny:
-        from ssd_tools.build_engines import build
-
-        engine_root = REPO / "build" / "test_engines"
-        build(REPO / "engines" / "tiny.yaml", engine_root, REPO / "engines" / ".cache")  # no-op when built
-        overrides = {
-            "ssd": {"tokenizer": TINY_TARGET},
-            "target": {"engine": TINY_TARGET, "cores": "0", "threads": "1", "dtype": "float32"},
-            "drafter_primary": {"engine": TINY_TARGET, "cores": "1", "threads": "1", "dtype": "bfloat16"},
-            "drafter_backup": {"cores": "1"},
-        }
-    else:
-        from ssd_tools.serve import engines_by_role
-
-        engine_root = a.engine_root
-        roles = engines_by_role(a.config)
-        overrides = {
-            "ssd": {"tokenizer": roles["target"]},
-            "target": {"engine": roles["target"], "cores": "0", "threads": "1"},
-            "drafter_primary": {"engine": roles["drafter"], "cores": "1", "threads": "1"},
-            "drafter_backup": {"cores": "1"},
-        }
-    overrides["ssd"]["max_active_requests"] = str(a.max_active)
-    repo = render_repository(REPO / "build" / "loadtest_repo", overrides)
-    srv = TritonServer(repo, engine_root, log_file=REPO / "build" / "loadtest_server.log")
-    print(f"[loadtest] starting tritonserver ({'tiny engines' if a.tiny else engine_root}; "
-          f"log {srv.log_file}) ...", flush=True)
-    t0 = time.time()
-    srv.start(timeout=900)
-    print(f"[loadtest] ready in {time.time() - t0:.0f} s on http://{srv.http_url}", flush=True)
+    """The server of a sweep or soak run here: the --tiny CI engines or --config's pair, split layout."""
+    pair = tiny_pair() if a.tiny else config_pair(a.config, a.engine_root)
+    srv = start_pair(pair, "loadtest", "split", {"max_active_requests": a.max_active})
     return srv, f"http://{srv.http_url}", f"http://{srv.address}:{srv.metrics_port}/metrics"
 
 
-def warm_up(url: str, modes: list[str]) -> None:
-    for mode in modes:
-        body = {"text_input": "Say hi.", "max_tokens": 8, "mode": mode, "temperature": 0.0}
-        req = urllib.request.Request(f"{url}/v2/models/ssd/generate", data=json.dumps(body).encode())
-        with urllib.request.urlopen(req, timeout=600) as r:
-            r.read()
-
-
 # -- one cell ---------------------------------------------------------------------------------------------
-def _locust_cmd() -> list[str]:
-    exe = Path(sys.executable).parent / "locust"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "locust"]
-
-
 def read_stats(path: Path) -> dict[str, dict]:
     if not path.exists():
         return {}
@@ -169,7 +91,7 @@ def run_cell(a, url: str, metrics_url: str, mode: str, users: int, part: int = 0
     for stale in (summary, Path(f"{prefix}_stats.csv")):
         stale.unlink(missing_ok=True)
     before = wait_idle(metrics_url)
-    cmd = _locust_cmd() + ["-f", str(HERE / "locustfile.py"), "--headless", "-u", str(users), "-r", str(users),
+    cmd = locust_cmd() + ["-f", str(HERE / "locustfile.py"), "--headless", "-u", str(users), "-r", str(users),
                            "--run-time", a.run_time, "--stop-timeout", str(a.stop_timeout), "--host", url,
                            "--csv", str(prefix), "--html", str(cells / f"{tag}.html"), "--only-summary",
                            *a.user_class.split(",")]
@@ -298,8 +220,10 @@ def main() -> None:
         if srv is not None:
             srv.stop()
     plots = plot(rows, a.out) if rows else []
+    write_report(rows, a.out, f"Load sweep: {a.modes} at {a.concurrency} users, {a.run_time} a cell, "
+                 f"{a.max_tokens} tokens a request", plots)
     print("\n" + markdown(rows))
-    print(f"\n[loadtest] {a.out / 'sweep.csv'}; plots: {', '.join(str(p) for p in plots)}; "
+    print(f"\n[loadtest] {a.out / 'report.md'}, {a.out / 'sweep.csv'}; plots: {', '.join(str(p) for p in plots)}; "
           f"per-cell Locust CSV/HTML: {a.out / 'cells'}")
 
 

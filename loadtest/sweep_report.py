@@ -1,9 +1,12 @@
 """What a load-test sweep reports: per-cell figures (percentiles, steady tokens/s, the policy's
-rounds), the merge of a cell's interleaved parts (--repeat), and the outputs (plots, Markdown)."""
+rounds), the merge of a cell's interleaved parts (--repeat), and the outputs (plots, report.md,
+written with the bench's Markdown writer, ssd_tools.markdown_report)."""
 from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
+
+from ssd_tools import markdown_report as md
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -127,13 +130,16 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| mode | users | requests | failures | out tok/s | steady tok/s | p50 ms | p99 ms | TTFT p50 ms | p_hit "
-            "| backup (neural/fast) | rounds by policy choice |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        lines.append(f"| {r['mode']} | {r['users']} | {r['requests']} | {r['failures']} "
-                     f"| {r['output_tokens_per_s']:.1f} | {r['steady_tokens_per_s']:.1f} "
-                     f"| {r['latency_p50_ms']:.0f} | {r['latency_p99_ms']:.0f} | {r['ttft_p50_ms'] or '-'} "
-                     f"| {r['p_hit'] if r['p_hit'] != '' else '-'} | {r['backup_neural']}/{r['backup_fast']} "
-                     f"| {r['policy_decisions'] or '-'} |")
-    return "\n".join(lines)
+    return md.table(
+        ["mode", "users", "requests", "failures", "out tok/s", "steady tok/s", "p50 ms", "p99 ms", "TTFT p50 ms",
+         "p_hit", "backup (neural/fast)", "rounds by policy choice"],
+        [[r["mode"], r["users"], r["requests"], r["failures"], f"{r['output_tokens_per_s']:.1f}",
+          f"{r['steady_tokens_per_s']:.1f}", f"{r['latency_p50_ms']:.0f}", f"{r['latency_p99_ms']:.0f}",
+          r["ttft_p50_ms"] or "-", r["p_hit"] if r["p_hit"] != "" else "-", f"{r['backup_neural']}/{r['backup_fast']}",
+          r["policy_decisions"] or "-"] for r in rows])
+
+
+def write_report(rows: list[dict], out: Path, title: str, plots: list[Path]) -> str:
+    """results/loadtest/report.md: the sweep's table and where its figures and Locust's files are."""
+    files = ", ".join(p.name for p in plots) + "; sweep.csv; per-cell Locust CSV/HTML in cells/"
+    return md.write(out / "report.md", title, [("Per mode and concurrency", markdown(rows)), ("Files", files)])

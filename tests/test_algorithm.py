@@ -22,15 +22,33 @@ def test_fanout_budgets_and_shape():
     assert geometric_fanout(4, 12, a=0.95, r=1.0)[4] > geometric_fanout(4, 12, a=0.5, r=1.0)[4]
 
 
-def test_estimator_learns_acceptance_and_exponent():
-    est = FanoutEstimator()
-    for _ in range(50):
-        est.record_round(3, 4)  # 3 accepted then a rejection
-    assert abs(est.a - 0.75) < 1e-9
+def _round(source: str, accepted: int, drafted: int, hit=None, fanout=0):
+    from ssd.algorithm.rounds import Choice, RoundRecord
+
+    return RoundRecord(choice=Choice.SSD_NEURAL, reason="policy", k=drafted, budget=8, batch=1,
+                       tokens=accepted + 1, seconds=0.1, source=source, drafted=drafted, hit=hit,
+                       fanout_at_outcome=fanout)
+
+
+def test_fanout_reads_the_cost_models_acceptance_and_fits_its_exponent():
+    """One acceptance estimate: the fan-out's a is the cost model's for the drafter's drafts (SD's
+    until a cached draft is verified, the cache's after); r is fitted from the lookups."""
+    from ssd.decoding.generator import SharedState
+
+    s = SharedState()
+    est, accept = s.estimator, s.policy.model.accept
+    assert est.a == accept["neural"].alpha  # the prior, before any round
+    for _ in range(200):
+        s.learner.observe(_round("draft", 3, 4))  # SD: 3 accepted then a rejection
+    assert abs(est.a - 0.75) < 1e-3 and est.a == accept["neural"].alpha
+    for _ in range(200):
+        s.learner.observe(_round("cache", 1, 4))  # cached drafts: 1 accepted then a rejection
+    assert abs(est.a - 0.5) < 1e-3 and est.a == accept["cache"].alpha
     for f, miss in ((1, 0.5), (4, 1 / 16)):  # miss ~ F^-r: 0.5 -> 1/16 as F goes 1 -> 4 means r = 1.5
         for i in range(80):
-            est.record_lookup(f, hit=(i % int(round(1 / miss))) != 0)
+            s.learner.observe(_round("cache", 1, 4, hit=(i % int(round(1 / miss))) != 0, fanout=f))
     assert abs(est.r - 1.5) < 0.1
+    assert FanoutEstimator().a == 0.8  # standing alone: its prior
 
 
 def test_candidates_exclude_the_drafted_token():
@@ -92,7 +110,12 @@ def test_stop_checker_streams_the_final_text_exactly():
 def test_round_k_keeps_verify_rows_within_max_verify_rows():
     from ssd.decoding.generator import SharedState
 
-    s = SharedState(max_verify_rows=32)
+    seen = []
+    s = SharedState(max_verify_rows=32, on_active=seen.append)
+    s.add_active(1)
+    s.add_active(1)
+    s.add_active(-1)
+    assert s.active == 1 and seen == [1, 2, 1]  # the server's gauge hears every change of the one count
     for active, k in ((1, 4), (6, 4), (7, 3), (8, 3), (10, 2), (16, 1), (40, 1)):
         s.active = active
         assert s.round_k(4) == k

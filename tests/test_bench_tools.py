@@ -216,14 +216,14 @@ def test_quick_bench_measures_a_request_shared_by_two_tables_once():
     """The quick preset's sweeps run at the main table's length, so its budget-12 point is the greedy
     SSD row and its C = 1.0 point the temperature-0.7 SSD row: one request each, measured once
     (the served phase keys jobs by prompt, mode and every knob). Different knobs stay apart."""
-    from ssd_tools.bench import run
+    from ssd_tools.bench import plan
 
-    pr = run.PRESETS["quick"]
+    pr = plan.PRESETS["quick"]
     prompts = [dict(dataset=ds, prompt=0, text=f"{ds} prompt") for ds in ("humaneval", "gsm8k")]
-    jobs = run.plan_split(pr, prompts, run.first_prompts(prompts, pr.sweep_datasets))
+    jobs = plan.plan_split(pr, prompts, plan.first_prompts(prompts, pr.sweep_datasets))
     keys = {}
     for tags, body in jobs:
-        keys.setdefault(run.job_key(tags, body, pr.max_tokens), []).append(tags["phase"])
+        keys.setdefault(plan.job_key(tags, body, pr.max_tokens), []).append(tags["phase"])
     shared = sorted(sorted(phases) for phases in keys.values() if len(phases) > 1)
     # quick sweeps and samples the HumanEval prompt only
     assert shared == [["greedy", "sweep:budget"], ["sweep:c", "t0.7"]]
@@ -235,16 +235,16 @@ def test_quick_bench_measures_a_request_shared_by_two_tables_once():
            and t["dataset"] == "humaneval"}
     assert [(t["dataset"], b) for t, b in rep] == [("humaneval", ssd["greedy"]), ("humaneval", ssd["t0.7"])]
     assert jobs[-2:] == rep
-    assert run.sweep_defaults(pr) == {"budget": 12, "c": 1.0}
+    assert plan.sweep_defaults(pr) == {"budget": 12, "c": 1.0}
     # AR's rate does not depend on the temperature: quick measures it greedy only
     assert not any(t["phase"] == "t0.7" and t["mode"] == "ar" for t, _ in jobs)
-    full = run.PRESETS["full"]
-    fj = run.plan_split(full, prompts, prompts)
+    full = plan.PRESETS["full"]
+    fj = plan.plan_split(full, prompts, prompts)
     # full, at the main table's length too: the SSD baseline (K 4, adaptive K, geometric, budget 12,
     # auto backup) is the greedy SSD row in those 5 sweeps, SD K=4 the greedy SD row, C 1.0 the
     # temperature-0.7 SSD row: 7 requests a prompt measured once more
-    assert len({run.job_key(t, b, full.max_tokens) for t, b in fj}) == len(fj) - 7 * len(prompts)
-    fkeys = [run.job_key(t, b, full.max_tokens) for t, b in fj]
+    assert len({plan.job_key(t, b, full.max_tokens) for t, b in fj}) == len(fj) - 7 * len(prompts)
+    fkeys = [plan.job_key(t, b, full.max_tokens) for t, b in fj]
     sd4 = [t["phase"] for (t, b), k in zip(fj, fkeys) if k == fkeys[1]]  # fj[1]: the first prompt's greedy SD
     assert fj[1][0]["mode"] == "sd" and sorted(sd4) == ["greedy", "sweep:sd_k"]
 
@@ -271,3 +271,36 @@ def test_ab_interleaves_variants_and_summarizes_paired_ratios():
     assert (s[1]["ratio_min"], s[1]["ratio_max"], s[1]["wins"], s[1]["n"]) == (0.5, 2.0, 2, 3)
     assert abs(s[1]["tok_s"] - (4.0 + 1.0 + 1.1) / 3) < 1e-12 and abs(s[1]["p_hit"] - 0.6) < 1e-12
     assert "| 2/3 |" in ab.table(s, [{"fanout_budget": 12}, {"fanout_budget": 8}])
+
+
+def test_bench_and_loadtest_share_one_table_writer_and_one_request_body(tmp_path):
+    """The bench's and the load sweep's Markdown come from one writer; the Locust users (sweep,
+    soak, llama.cpp peer) take their prompts, bodies and output ids from one module."""
+    from ssd_loadtest import traffic
+    from ssd_loadtest.sweep_report import markdown, write_report
+    from ssd_tools import markdown_report as md
+    from ssd_tools.prompts import load
+    from ssd_tools.runner import parse_metrics
+
+    assert md.table(["a", "b"], [[1, "x"], [2.5, "-"]]) == "| a | b |\n|---|---|\n| 1 | x |\n| 2.5 | - |"
+    assert md.fmt(float("nan")) == "-" and md.fmt(None) == "-" and md.fmt(1.234) == "1.23"
+    row = {"mode": "ssd", "users": 4, "requests": 9, "failures": 0, "output_tokens_per_s": 12.34,
+           "steady_tokens_per_s": 13.0, "latency_p50_ms": 800.4, "latency_p99_ms": 1200.0, "ttft_p50_ms": "",
+           "p_hit": 0.75, "backup_neural": 2, "backup_fast": 1, "policy_decisions": "sd=3; ssd+neural=9"}
+    assert markdown([row]).splitlines()[2] == \
+        "| ssd | 4 | 9 | 0 | 12.3 | 13.0 | 800 | 1200 | - | 0.75 | 2/1 | sd=3; ssd+neural=9 |"
+    text = write_report([row], tmp_path, "Load sweep", [tmp_path / "throughput.png"])
+    assert (tmp_path / "report.md").read_text() == text and text.startswith("# Load sweep\n\n## Per mode")
+    assert markdown([row]) in text
+
+    assert traffic.output_ids(7) == [7] and traffic.output_ids([1, 2]) == [1, 2] and traffic.output_ids(None) == []
+    assert traffic.body("p", 8, "sd") == {"text_input": "p", "max_tokens": 8, "mode": "sd", "temperature": 0.0,
+                                          "stream": False}
+    assert traffic.body("p", 8, "ssd", True, temperature=0.7, seed=3)["temperature"] == 0.7
+    he, gsm = load("humaneval", 2), load("gsm8k", 1)
+    assert traffic.prompts(["humaneval", "gsm8k"], 2) == [he[0], gsm[0], he[1], load("gsm8k", 2)[1]]
+
+    m = parse_metrics('# HELP x\nssd_requests_total{mode="ssd",status="ok"} 3\nnv_inference_count 9\n'
+                      'ssd_active_requests 0\n')
+    assert m == {("ssd_requests_total", frozenset({("mode", "ssd"), ("status", "ok")})): 3.0,
+                 ("ssd_active_requests", frozenset()): 0.0}

@@ -8,7 +8,7 @@ mean, range and wins, beside its acceptance and hit rate.
 
   tools/bench/ab.py --variants '{"fanout_budget": 12}' '{"fanout_budget": 8}' --prompts 4
 
-Every variant starts from the bench's SSD knobs (run.SSD_BASE: the shipped defaults, step_aside
+Every variant starts from the bench's SSD knobs (plan.SSD_BASE: the shipped defaults, step_aside
 off) and overrides some. One tritonserver in the split layout (target on core 0, drafter on core
 1), warmed up like the bench's. Writes the rows and the summary to --out (JSON).
 """
@@ -19,8 +19,10 @@ import json
 import math
 from pathlib import Path
 
+from ssd_tools import markdown_report as md
+from ssd_tools.bench.plan import PIN, held_out_prompt, prompt_rows, set_server_defaults
 from ssd_tools.bench.report import mean
-from ssd_tools.bench.run import PIN, Progress, held_out_prompt, prompt_rows, run_served, set_server_defaults
+from ssd_tools.bench.run import Progress, run_served
 from ssd_tools.triton_launcher import REPO
 
 
@@ -59,12 +61,10 @@ def summarize(rows: list[dict], n_variants: int) -> list[dict]:
 
 
 def table(summary: list[dict], variants: list[dict]) -> str:
-    lines = ["| variant | decode tok/s | accept len | p_hit | vs variant 0 (geomean) | range | wins |",
-             "|---|---|---|---|---|---|---|"]
-    for s in summary:
-        lines.append(f"| {json.dumps(variants[s['variant']])} | {s['tok_s']:.2f} | {s['accept']:.2f} | {s['p_hit']:.2f} "
-                     f"| {s['ratio_geomean']:.3f} | {s['ratio_min']:.2f}-{s['ratio_max']:.2f} | {s['wins']}/{s['n']} |")
-    return "\n".join(lines)
+    return md.table(["variant", "decode tok/s", "accept len", "p_hit", "vs variant 0 (geomean)", "range", "wins"],
+                    [[json.dumps(variants[s["variant"]]), f"{s['tok_s']:.2f}", f"{s['accept']:.2f}", f"{s['p_hit']:.2f}",
+                      f"{s['ratio_geomean']:.3f}", f"{s['ratio_min']:.2f}-{s['ratio_max']:.2f}", f"{s['wins']}/{s['n']}"]
+                     for s in summary])
 
 
 def main() -> None:

@@ -6,6 +6,9 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from ssd_tools import markdown_report as md
+from ssd_tools.markdown_report import fmt as _fmt
+
 # (label, source, phase/mode filter)
 CONFIGS = [
     ("AR, 1 core", "split", "ar"), ("SD K=4, 1+1 cores (serial)", "split", "sd"),
@@ -42,26 +45,21 @@ def paired_ratio(num: list[dict], den: list[dict]) -> float:
     return mean(a[k] for k in both) / mean(b[k] for k in both) if both else float("nan")
 
 
-def _fmt(x, spec=".2f") -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
 def table(raw: dict, dataset: str | None) -> str:
     """Per configuration: its means, and its speed over AR's and SD's on the same prompts."""
     pick = lambda rows: [r for r in rows if dataset is None or r["dataset"] == dataset]  # noqa: E731
     ar, sd = pick(greedy_rows(raw, "split", "ar")), pick(greedy_rows(raw, "split", "sd"))
-    lines = ["| configuration | decode tok/s | latency s | vs AR | vs SD | accept len | p_hit | n |",
-             "|---|---|---|---|---|---|---|---|"]
+    out = []
     for label, source, key in CONFIGS:
         rows = pick(greedy_rows(raw, source, key))
         if not rows:
             continue
         p_hit = mean(r.get("p_hit") for r in rows) if key == "ssd" else None
-        lines.append(f"| {label} | {mean(r['decode_tokens_per_s'] for r in rows):.2f} "
-                     f"| {mean(r['latency_s'] for r in rows):.1f} | {_fmt(paired_ratio(rows, ar))}x "
-                     f"| {_fmt(paired_ratio(rows, sd))}x | {_fmt(mean(r.get('acceptance_length') for r in rows))} "
-                     f"| {_fmt(p_hit)} | {len(rows)} |")
-    return "\n".join(lines)
+        out.append([label, f"{mean(r['decode_tokens_per_s'] for r in rows):.2f}",
+                    f"{mean(r['latency_s'] for r in rows):.1f}", f"{_fmt(paired_ratio(rows, ar))}x",
+                    f"{_fmt(paired_ratio(rows, sd))}x", _fmt(mean(r.get("acceptance_length") for r in rows)),
+                    _fmt(p_hit), len(rows)])
+    return md.table(["configuration", "decode tok/s", "latency s", "vs AR", "vs SD", "accept len", "p_hit", "n"], out)
 
 
 def _compare(rows: list[dict], ref: dict) -> tuple[int, list[str]]:
@@ -81,7 +79,7 @@ def correctness(raw: dict) -> str:
     and SD at 2 threads against AR at 2 threads (the thread count changes the GEMMs' last bits)."""
     ref = {(r["dataset"], r["prompt"]): r["ids"] for r in greedy_rows(raw, "split", "ar")}
     ref2 = {(r["dataset"], r["prompt"]): r["ids"] for r in greedy_rows(raw, "shared2", "ar")}
-    lines = ["| configuration | same tokens as AR | first divergence (dataset #prompt @ token) |", "|---|---|---|"]
+    out = []
     checks = [(label, source, key, ref) for label, source, key in CONFIGS if not (source == "split" and key == "ar")]
     checks.append(("SD K=4, 2 threads vs AR, 2 threads", "shared2", "sd", ref2))
     ref_llama = {(r["dataset"], r["prompt"]): r["ids"] for r in greedy_rows(raw, "llamacpp", "ar")}
@@ -90,8 +88,8 @@ def correctness(raw: dict) -> str:
         rows = [r for r in greedy_rows(raw, source, key) if (r["dataset"], r["prompt"]) in against]
         if rows:
             same, firsts = _compare(rows, against)
-            lines.append(f"| {label} | {same}/{len(rows)} | {', '.join(firsts) or '-'} |")
-    return "\n".join(lines)
+            out.append([label, f"{same}/{len(rows)}", ", ".join(firsts) or "-"])
+    return md.table(["configuration", "same tokens as AR", "first divergence (dataset #prompt @ token)"], out)
 
 
 SWEEP_KNOBS = {"k": "num_draft_tokens", "sd_k": "num_draft_tokens", "shape": "fanout_shape", "budget": "fanout_budget",
@@ -136,13 +134,13 @@ def sweeps(raw: dict) -> tuple[str, dict]:
         if name != "sd_k" and default in variants:
             variants[default] = variants[default] + repeats[sampled]
         out.append(f"\n**{name}** ({'SD' if name == 'sd_k' else 'SSD'}, decode tok/s / accept len / p_hit)\n")
-        out.append("| value | decode tok/s | accept len | p_hit | n |\n|---|---|---|---|---|")
-        scores = {}
+        scores, cells = {}, []
         for v, rows in variants.items():
             scores[v] = mean(r["decode_tokens_per_s"] for r in rows)
-            label = f"{v} (shipped)" if v == default else str(v)
-            out.append(f"| {label} | {scores[v]:.2f} | {mean(r['acceptance_length'] for r in rows):.2f} "
-                       f"| {_fmt(mean(r['p_hit'] for r in rows)) if name != 'sd_k' else '-'} | {len(rows)} |")
+            cells.append([f"{v} (shipped)" if v == default else str(v), f"{scores[v]:.2f}",
+                          f"{mean(r['acceptance_length'] for r in rows):.2f}",
+                          _fmt(mean(r["p_hit"] for r in rows)) if name != "sd_k" else "-", len(rows)])
+        out.append(md.table(["value", "decode tok/s", "accept len", "p_hit", "n"], cells))
         best = max(scores, key=scores.get)
         if default not in scores or best == default:
             chosen[name] = str(best)
@@ -270,8 +268,7 @@ def outside_forward(raw: dict) -> str:
     on the same requests: the serving cost measured inside each request, so unlike the tok/s ratio
     above it does not move with the machine's speed between the two runs."""
     # the verify call alone: an SD round also makes a draft call, an SSD miss a backup call
-    lines = ["| mode | served: forward / outside (ms per verify) | in-process: forward / outside | the verify's "
-             "serving cost, % of a served round |", "|---|---|---|---|"]
+    out = []
     for mode in ("ar", "sd", "ssd"):
         served = [r for r in greedy_rows(raw, "split", mode) if r.get("verify_forward_ms") is not None]
         inproc = [r for r in greedy_rows(raw, "inproc", mode) if r.get("verify_forward_ms") is not None]
@@ -281,8 +278,11 @@ def outside_forward(raw: dict) -> str:
         f_i, o_i = mean(r["verify_forward_ms"] for r in inproc), mean(r["verify_outside_forward_ms"] for r in inproc)
         # a served round: tokens per round over decode tok/s
         round_ms = mean(1000 * r["acceptance_length"] / r["decode_tokens_per_s"] for r in served if r["decode_tokens_per_s"])
-        lines.append(f"| {mode} | {f_s:.0f} / {o_s:.1f} | {f_i:.0f} / {o_i:.1f} | {100 * (o_s - o_i) / round_ms:.1f}% |")
-    return "\n".join(lines) if len(lines) > 2 else "(no per-call timing in these rows)"
+        out.append([mode, f"{f_s:.0f} / {o_s:.1f}", f"{f_i:.0f} / {o_i:.1f}", f"{100 * (o_s - o_i) / round_ms:.1f}%"])
+    if not out:
+        return "(no per-call timing in these rows)"
+    return md.table(["mode", "served: forward / outside (ms per verify)", "in-process: forward / outside",
+                     "the verify's serving cost, % of a served round"], out)
 
 
 def _lowest(xs) -> float:
@@ -297,13 +297,12 @@ def against_llamacpp(raw: dict) -> str:
     theirs = [(label, rows) for label, rows in theirs if rows]
     if not theirs:
         return "(llama.cpp did not run)"
-    lines = ["| ours, over: | " + " | ".join(label for label, _ in theirs) + " |",
-             "|---|" + "---|" * len(theirs)]
+    out = []
     for label, src, key in OURS:
         ours = greedy_rows(raw, src, key)
         if ours:
-            lines.append(f"| {label} | " + " | ".join(f"{_fmt(paired_ratio(ours, rows))}x" for _, rows in theirs) + " |")
-    return "\n".join(lines)
+            out.append([label] + [f"{_fmt(paired_ratio(ours, rows))}x" for _, rows in theirs])
+    return md.table(["ours, over:"] + [label for label, _ in theirs], out)
 
 
 def targets(raw: dict) -> str:
@@ -321,59 +320,56 @@ def targets(raw: dict) -> str:
     for mode, label in (("ar", "AR"), ("sd", "SD"), ("ssd", "SSD")):
         rows.append((f"served / in-process {label} (serving overhead <= 10%)", serving_ratio(raw, mode), 0.9))
     mem = raw.get("meta", {}).get("peak_rss_gb", {})
-    lines = ["| target | measured | goal | met |", "|---|---|---|---|"]
-    for name, v, goal in rows:
-        lines.append(f"| {name} | {_fmt(v)} | >= {goal} | {'yes' if v >= goal else ('-' if math.isnan(v) else 'no')} |")
+    out = [[name, _fmt(v), f">= {goal}", "yes" if v >= goal else ("-" if math.isnan(v) else "no")]
+           for name, v, goal in rows]
     if mem:
         peak = max(mem.values())
-        lines.append(f"| peak memory of the served default (GB) | {peak:.1f} | <= 10 | {'yes' if peak <= 10 else 'no'} |")
-    return "\n".join(lines)
+        out.append(["peak memory of the served default (GB)", f"{peak:.1f}", "<= 10", "yes" if peak <= 10 else "no"])
+    return md.table(["target", "measured", "goal", "met"], out)
 
 
 def sampled_table(raw: dict) -> str:
-    lines = ["| mode | decode tok/s | accept len | p_hit | n |", "|---|---|---|---|---|"]
+    out = []
     for m in ("ar", "sd", "ssd"):
         rows = [r for r in raw.get("split", []) if r["phase"] == "t0.7" and r["mode"] == m]
         if rows:
-            lines.append(f"| {m} | {mean(r['decode_tokens_per_s'] for r in rows):.2f} "
-                         f"| {mean(r['acceptance_length'] for r in rows):.2f} "
-                         f"| {_fmt(mean(r['p_hit'] for r in rows)) if m == 'ssd' else '-'} | {len(rows)} |")
+            out.append([m, f"{mean(r['decode_tokens_per_s'] for r in rows):.2f}",
+                        f"{mean(r['acceptance_length'] for r in rows):.2f}",
+                        _fmt(mean(r["p_hit"] for r in rows)) if m == "ssd" else "-", len(rows)])
         elif m == "ar" and (greedy := greedy_rows(raw, "split", "ar")):
-            lines.append(f"| ar (greedy rows: one forward a token at any temperature) "
-                         f"| {mean(r['decode_tokens_per_s'] for r in greedy):.2f} | 1.00 | - | {len(greedy)} |")
-    return "\n".join(lines)
+            out.append(["ar (greedy rows: one forward a token at any temperature)",
+                        f"{mean(r['decode_tokens_per_s'] for r in greedy):.2f}", "1.00", "-", len(greedy)])
+    return md.table(["mode", "decode tok/s", "accept len", "p_hit", "n"], out)
+
+
+CORRECTNESS_NOTE = (
+    "Our configurations run the batch-invariant target (a row's logits do not depend on the mode or the batch), "
+    "so at one thread count they are expected to agree token for token. At 2 threads oneDNN splits each GEMM's "
+    "work differently, which changes the last bits of some logits, so AR at 2 threads may leave AR at 1 thread at "
+    "a near-tied argmax (SD at 2 threads is checked against AR at 2 threads); the peer runs transformers' kernels, "
+    "whose bf16 rounding can flip such a token too. llama.cpp computes on the quantized GGUF weights with its own "
+    "kernels, so its tokens may leave ours at any near tie; its speculative decoding is checked against its own AR.")
 
 
 def write(raw: dict, out: Path) -> str:
     meta = raw["meta"]
-    parts = [f"# Bench ({meta['preset']}): batch 1, {meta['max_tokens']} new tokens, {meta['wall_s'] / 60:.1f} min\n"]
-    parts += ["## Overall (greedy)\n", table(raw, None), "\n## Targets\n", targets(raw),
-              "\n## Time outside the target's forward, per verify call\n", outside_forward(raw)]
-    for ds in meta["datasets"]:
-        parts += [f"\n## {ds} (greedy)\n", table(raw, ds)]
-    parts += ["\n## Against llama.cpp's llama-server (ours / theirs, decode tok/s, same prompts and GGUF files)\n",
-              against_llamacpp(raw)]
-    parts += ["\n## Temperature 0.7 (served, 1+1 cores)\n", sampled_table(raw)]
-    parts += ["\n## Correctness pass (greedy, token ids vs served AR)\n", correctness(raw),
-              "\nOur configurations run the batch-invariant target (a row's logits do not depend on the mode "
-              "or the batch), so at one thread count they are expected to agree token for token. At 2 threads "
-              "oneDNN splits each GEMM's work differently, which changes the last bits of some logits, so AR at 2 "
-              "threads may leave AR at 1 thread at a near-tied argmax (SD at 2 threads is checked against AR at 2 "
-              "threads); the peer runs transformers' kernels, whose bf16 rounding can flip such a token too. "
-              "llama.cpp computes on the quantized GGUF weights with its own kernels, so its tokens may leave ours "
-              "at any near tie; its speculative decoding is checked against its own AR."]
+    sections = [("Overall (greedy)", table(raw, None)), ("Targets", targets(raw)),
+                ("Time outside the target's forward, per verify call", outside_forward(raw))]
+    sections += [(f"{ds} (greedy)", table(raw, ds)) for ds in meta["datasets"]]
+    sections += [("Against llama.cpp's llama-server (ours / theirs, decode tok/s, same prompts and GGUF files)",
+                  against_llamacpp(raw)),
+                 ("Temperature 0.7 (served, 1+1 cores)", sampled_table(raw)),
+                 ("Correctness pass (greedy, token ids vs served AR)", correctness(raw)), (None, "\n" + CORRECTNESS_NOTE)]
     sw, chosen = sweeps(raw)
     if sw:
-        parts += ["\n## Sweeps (served, 1+1 cores)\n", sw, "\n**Chosen per sweep:** " +
-                  ", ".join(f"{k} = {v}" for k, v in chosen.items())]
+        sections += [("Sweeps (served, 1+1 cores)", sw),
+                     (None, "\n**Chosen per sweep:** " + ", ".join(f"{k} = {v}" for k, v in chosen.items()))]
     fit = budget_fit(raw)
     if fit and fit[2] is not None:
-        parts.append(f"\nMiss rate vs fan-out budget: miss = {fit[3]:.3f} B^-{fit[2]:.2f}")
+        sections.append((None, f"\nMiss rate vs fan-out budget: miss = {fit[3]:.3f} B^-{fit[2]:.2f}"))
     elif fit:
-        parts.append(f"\nMiss rate vs fan-out budget: no fit, fewer than two budgets missed a round (p_hit "
-                     + " / ".join(f"{h:.2f}" for h in fit[1]) + f" at B = {' / '.join(map(str, fit[0]))})")
-    made = plots(raw, out)
-    parts.append("\nPlots: " + ", ".join(made))
-    md = "\n".join(parts) + "\n"
-    (out / "report.md").write_text(md)
-    return md
+        sections.append((None, "\nMiss rate vs fan-out budget: no fit, fewer than two budgets missed a round (p_hit "
+                         + " / ".join(f"{h:.2f}" for h in fit[1]) + f" at B = {' / '.join(map(str, fit[0]))})"))
+    sections.append((None, "\nPlots: " + ", ".join(plots(raw, out))))
+    title = f"Bench ({meta['preset']}): batch 1, {meta['max_tokens']} new tokens, {meta['wall_s'] / 60:.1f} min"
+    return md.write(out / "report.md", title, sections)

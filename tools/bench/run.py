@@ -10,6 +10,8 @@ Phases (each prints progress and an ETA):
   peer      transformers assisted generation on the same pair, prompts and 2 cores (tools/bench/peer.py)
   llamacpp  llama.cpp's llama-server on the pair's GGUF files, same prompts and 2 cores: AR and its
             speculative decoding (tools/bench/llamacpp.py; builds llama-server once, cached in build/)
+What each phase runs (presets, sweeps, jobs) is planned in plan.py; the servers, their warm-up
+and memory come from ssd_tools.runner, shared with the load tests.
 Outputs in --out (default results/bench/): raw.json, report.md (tables per dataset and overall,
 correctness pass, sweeps, defaults), throughput.png, hit_rate_vs_budget.png,
 ssd_over_sd_predicted_vs_measured.png, c_sweep.png.
@@ -21,79 +23,15 @@ import dataclasses
 import json
 import subprocess
 import sys
-import threading
 import time
-from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ssd.config import ServerConfig
 from ssd_tools.bench import llamacpp, report
-from ssd_tools.bench.served import generate, start
-from ssd_tools.prompts import load
-from ssd_tools.serve import engines_by_role
+from ssd_tools.bench.plan import (PIN, PRESETS, WARM_TOKENS, first_prompts, held_out_prompt, job_key, job_mode,
+                                  plan_split, prompt_rows, set_server_defaults, sweep_defaults)
+from ssd_tools.runner import PeakMemory, config_pair, generate, start_pair
 from ssd_tools.triton_launcher import REPO
-
-
-@dataclass
-class Preset:
-    datasets: str
-    per_dataset: int  # greedy main table
-    max_tokens: int
-    sampled_datasets: str  # the temperature 0.7 table runs on the first prompt of each
-    sampled_modes: tuple  # its modes (AR's rate is one forward a token at any temperature)
-    sweep_datasets: str  # the sweeps run on the first prompt of each, at max_tokens
-    sweeps: dict  # name -> list of per-request overrides
-    inproc_datasets: str  # in-process twins of the greedy rows on the first prompt of each
-    peer_k: str
-    two_thread_datasets: str  # AR and SD at 2 threads and the peer run on the main prompts of these
-
-
-# every SSD sweep point states all knobs, so the shared baseline (the shipped defaults) runs once
-# step_aside off: these rows measure SSD itself; what the mode policy does under load is the
-# Locust sweep's subject (loadtest/sweep.py)
-# the server's shipped defaults (ssd.config.ServerConfig, what config.pbtxt leaves unchanged)
-SSD_BASE = {name: getattr(ServerConfig(), name) for name in
-            ("num_draft_tokens", "fanout_budget", "fanout_shape", "backup", "saguaro_c", "adaptive_k")} | {"step_aside": False}
-# The main rows state the knobs the sweeps state, so a sweep point that equals a main-table row (same
-# prompt, tokens and knobs: SSD budget 12, C 1.0 at temperature 0.7, SD K=4) is one measurement, not two
-PIN = {"ssd": SSD_BASE, "sd": {"num_draft_tokens": SSD_BASE["num_draft_tokens"]}}
-SWEEPS_FULL = {
-    "k": [{"num_draft_tokens": k} for k in (3, 4, 5)],  # with adaptive_k: the most a round may draft
-    "adaptive_k": [{"adaptive_k": a} for a in (False, True)],
-    "sd_k": [{"mode": "sd", "num_draft_tokens": k} for k in (2, 3, 4, 5)],
-    "shape": [{"fanout_shape": s} for s in ("uniform", "geometric")],
-    "budget": [{"fanout_budget": b} for b in (5, 8, 12)],  # 12 is the most the A/Bs tried (README: the defaults)
-    "backup": [{"backup": b} for b in ("neural", "fast", "auto")],
-    "c": [{"saguaro_c": c, "temperature": 0.7} for c in (1.0, 0.5, 0.0)],
-}
-SWEEPS_QUICK = {"budget": [{"fanout_budget": b} for b in (5, 8, 12)],
-                "c": [{"saguaro_c": c, "temperature": 0.7} for c in (1.0, 0.5)]}
-# Sized for 2 cores on which an AR token takes ~0.4-1 s: quick's goal is 10 minutes, full's 60.
-# - Both presets run their sweeps at the main table's length, on prompts of the main table, so a
-#   sweep's baseline is a main row (PIN): budget 12 and C 1.0 (temperature 0.7) are measured once.
-# - AR runs greedy only: its rate is one forward a token at any temperature (the temperature-0.7
-#   table shows greedy AR, labelled so).
-# - C = 0 rounds accept ~1 token (AR's pace, 1.6 min of a quick run): quick stops at 0.5.
-# - quick sweeps and pairs the in-process runner on one prompt: ratios on one prompt are paired
-#   ratios still; full does both on the first prompt of each dataset.
-# - full: 64 tokens (128 would take about 95 minutes) and the peer at K = 2, its best measured K.
-# - quick: 24 tokens, and the temperature-0.7 rows, the 2-thread rows and the peer on the HumanEval
-#   prompt only (each ratio is taken over the prompts both sides ran: report.paired_ratio). About a
-#   third of its time is fixed cost (two server starts and warm-ups, loading the peer).
-ALL3 = "humaneval,gsm8k,mtbench"
-PRESETS = {
-    "quick": Preset("humaneval,gsm8k", 1, 24, "humaneval", ("sd", "ssd"), "humaneval", SWEEPS_QUICK, "humaneval", "2",
-                    "humaneval"),
-    "full": Preset(ALL3, 2, 64, ALL3, ("sd", "ssd"), "humaneval,gsm8k", SWEEPS_FULL, ALL3, "2", ALL3),
-    # ours against the peers only: the greedy tables on one HumanEval prompt, no sweeps
-    "peers": Preset("humaneval", 1, 64, "", (), "", {}, "", "2", "humaneval"),
-}
-# the warm-up's lengths: first-call allocations, and the policy's first records of SD and the SSD
-# backups (AR's and SD's first calls allocate in 8 tokens, and requests that pin a mode ask the
-# policy nothing; at ~1 s an AR token more would only cost time)
-WARM_TOKENS = {"ar": 8, "sd": 8, "ssd": 32}
 
 
 class Progress:
@@ -115,38 +53,6 @@ def served_row(d: dict, **tags) -> dict:
             "e_miss", "rounds_by_choice", "prefill_s", "draft_lens")
     return {**tags, "ids": d["output_ids"] if isinstance(d["output_ids"], list) else [d["output_ids"]],
             "latency_s": d["latency_s"], **{k: s.get(k) for k in keep}}
-
-
-def tree_rss_gb(root: int) -> float:
-    """Resident memory of a process and all its descendants (tritonserver + its Python stubs)."""
-    children: dict[int, list[int]] = defaultdict(list)
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children[int(fields[1])].append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            pass
-    total, todo = 0, [root]
-    while todo:
-        pid = todo.pop()
-        todo += children.get(pid, [])
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            pass
-    return total / 2**20
-
-
-class PeakMemory(threading.Thread):
-    def __init__(self, pid: int):
-        super().__init__(daemon=True)
-        self.pid, self.peak, self.stop = pid, 0.0, threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.wait(1.0):
-            self.peak = max(self.peak, tree_rss_gb(self.pid))
 
 
 PEAK_RSS: dict[str, float] = {}
@@ -189,38 +95,10 @@ class InProcess:
         self.proc.wait(timeout=60)
 
 
-def prompt_rows(datasets: list[str], n: int) -> list[dict]:
-    """The first ``n`` prompts of each dataset, as job tags."""
-    return [dict(dataset=ds, prompt=i, text=t) for ds in datasets for i, t in enumerate(load(ds, n))]
-
-
-def first_prompts(rows: list[dict], datasets: str) -> list[dict]:
-    """The first prompt of each of ``datasets`` (comma-separated) among the main table's ``rows``:
-    where the sweeps, the in-process twins and the temperature-0.7 rows run, so they share the main
-    rows' requests."""
-    return [p for p in rows if p["prompt"] == 0 and p["dataset"] in datasets.split(",")]
-
-
-def held_out_prompt(used: int) -> str:
-    """A HumanEval prompt that no job measures (jobs use the first ``used``): the warm-up's."""
-    return load("humaneval", used + 1)[-1]
-
-
-def set_server_defaults(a, max_tokens: int) -> None:
-    """The served model's defaults for the run: the shipped ones (SSD_BASE), greedy."""
-    a.k, a.budget, a.c, a.backup = (SSD_BASE[k] for k in ("num_draft_tokens", "fanout_budget", "saguaro_c", "backup"))
-    a.temperature, a.max_tokens = 0.0, max_tokens
-
-
-def job_mode(tags: dict, extra: dict) -> str:
-    return extra.get("mode", tags.get("mode", "ssd"))
-
-
-def job_key(tags: dict, extra: dict, max_tokens: int) -> tuple:
-    """What makes two served jobs the same request: prompt, mode and every knob, length included;
-    a job tagged ``repeat`` is that request measured once more."""
-    body = {"max_tokens": max_tokens, **{k: v for k, v in extra.items() if k != "mode"}}
-    return tags["text"], job_mode(tags, extra), json.dumps(body, sort_keys=True), tags.get("repeat", 0)
+def served_generate(url: str, prompt: str, mode: str, a, **extra) -> dict:
+    """One request with the run's length and temperature (``set_server_defaults``), seeded."""
+    return generate(url, {"text_input": prompt, "max_tokens": a.max_tokens, "mode": mode, "temperature": a.temperature,
+                          "seed": 1, **extra})
 
 
 def run_served(layout: str, jobs: list[tuple[dict, dict]], a, prog: Progress, warm_text: str,
@@ -228,8 +106,10 @@ def run_served(layout: str, jobs: list[tuple[dict, dict]], a, prog: Progress, wa
     """jobs: (tags, request overrides). One server for all of them, warmed up on ``warm_text``.
     ``paired(tags)``, if given, runs right after each served job (the in-process twin of a greedy
     one) while the server idles."""
-    print(f"[bench] starting tritonserver ({layout} layout) ...", flush=True)
-    srv = start(layout, a)
+    srv = start_pair(config_pair(a.config, a.engine_root), f"bench_{layout}", layout,
+                     {"num_draft_tokens": a.k, "fanout_budget": a.budget, "saguaro_c": a.c, "backup": a.backup,
+                      "max_active_requests": 4})
+    url = f"http://{srv.http_url}"
     mem = PeakMemory(srv.proc.pid)
     mem.start()
     rows, done = [], {}
@@ -240,13 +120,13 @@ def run_served(layout: str, jobs: list[tuple[dict, dict]], a, prog: Progress, wa
         modes = {job_mode(tags, extra) for tags, extra in jobs}
         for mode in ("ar", "sd", "ssd"):
             if mode in modes:
-                generate(srv, warm_text, mode, a, **{**PIN.get(mode, {}), "max_tokens": WARM_TOKENS[mode]})
+                served_generate(url, warm_text, mode, a, **{**PIN.get(mode, {}), "max_tokens": WARM_TOKENS[mode]})
         for tags, extra in jobs:
             body = {k: v for k, v in extra.items() if k != "mode"}
             key = job_key(tags, extra, a.max_tokens)
             again = key in done  # the same request in two tables (a sweep's baseline): measured once
             if not again:
-                done[key] = generate(srv, tags["text"], key[1], a, **body)
+                done[key] = served_generate(url, tags["text"], key[1], a, **body)
             row = served_row(done[key], **{k: v for k, v in tags.items() if k != "text"}, layout=layout, **body)
             rows.append(row)
             what = (f"{layout} {row.get('phase')} {row.get('dataset')} #{row.get('prompt')} {row.get('mode')} "
@@ -259,8 +139,7 @@ def run_served(layout: str, jobs: list[tuple[dict, dict]], a, prog: Progress, wa
             if paired is not None and paired(tags) is not None:
                 prog.step(f"in-process {tags['dataset']} #{tags['prompt']} {tags['mode']}")
     finally:
-        mem.stop.set()
-        PEAK_RSS[layout] = round(max(mem.peak, tree_rss_gb(srv.proc.pid)), 2)
+        PEAK_RSS[layout] = round(mem.finish(), 2)
         srv.stop()
     print(f"[bench] {layout}: peak resident memory of the server {PEAK_RSS[layout]:.1f} GB", flush=True)
     return rows
@@ -280,39 +159,6 @@ def run_subprocess(script: str, args: list[str], out: Path, n: int, prog: Progre
     return json.loads(out.read_text())
 
 
-def plan_split(pr: Preset, main_prompts: list[dict], sweep_prompts: list[dict]) -> list[tuple[dict, dict]]:
-    """The split phase's served jobs, as (tags, request overrides): the greedy main table, the
-    temperature 0.7 table and the sweeps. Some may be the same request (``job_key``)."""
-    jobs = [({**p, "phase": "greedy", "mode": m}, {"mode": m, **PIN.get(m, {})})
-            for p in main_prompts for m in ("ar", "sd", "ssd")]
-    jobs += [({**p, "phase": "t0.7", "mode": m}, {"mode": m, **PIN.get(m, {}), "temperature": 0.7})
-             for p in first_prompts(main_prompts, pr.sampled_datasets) for m in pr.sampled_modes]
-    for name, variants in pr.sweeps.items():
-        for v in variants:
-            body = {**({} if v.get("mode") == "sd" else SSD_BASE), **v}
-            jobs += [({**p, "phase": f"sweep:{name}", "mode": v.get("mode", "ssd")}, body) for p in sweep_prompts]
-    # The SSD sweeps share one baseline, measured with the main table; measuring it again after the
-    # sweeps shows how far one request's rate moves between two minutes of this machine (a slow
-    # baseline would make every sweep "choose" a non-default), and a sweep's best then replaces the
-    # shipped value only when it wins by more than that (report.sweeps). The C sweep's baseline, at
-    # temperature 0.7, is repeated too: its spread also holds the luck of the sampled tokens.
-    temps = {v.get("temperature", 0.0) for variants in pr.sweeps.values() for v in variants}
-    for t in sorted(temps):
-        jobs += [({**p, "phase": "repeat", "mode": "ssd", "repeat": 1}, {"mode": "ssd", **SSD_BASE,
-                                                                         **({"temperature": t} if t else {})})
-                 for p in sweep_prompts]
-    return jobs
-
-
-def sweep_defaults(pr: Preset) -> dict:
-    """Each sweep's shipped value (what its points are compared with): the knob's value in the pinned rows."""
-    out = {}
-    for name, variants in pr.sweeps.items():
-        knob = next(k for k in variants[0] if k not in ("mode", "temperature"))
-        out[name] = PIN["sd" if variants[0].get("mode") == "sd" else "ssd"][knob]
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=PRESETS, default="full")
@@ -327,8 +173,8 @@ def main() -> None:
         pr = dataclasses.replace(pr, max_tokens=a.max_tokens)
     set_server_defaults(a, pr.max_tokens)
     a.out.mkdir(parents=True, exist_ok=True)
-    roles = engines_by_role(a.config)
-    tdir, ddir = a.engine_root / roles["target"], a.engine_root / roles["drafter"]
+    pair = config_pair(a.config, a.engine_root)
+    tdir, ddir = a.engine_root / pair.target, a.engine_root / pair.drafter
     from ssd.decoding.text import TextCodec
     codec = TextCodec(tdir)
     datasets = pr.datasets.split(",")

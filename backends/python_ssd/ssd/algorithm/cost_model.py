@@ -120,6 +120,11 @@ class CostModel:
         base, allowance = self.drafter(b * floor), self.tree_slack * self.target(b * (k + 1)) / k
         return next((B for B in range(budget, floor, -1) if self.drafter(b * B) - base <= allowance), floor)
 
+    def drafter_alpha(self) -> float:
+        """Per-position acceptance of the drafter's drafts: the speculation's once a cached draft
+        was verified, SD's before (as ``rates`` reads them); the fan-out shape reads it too."""
+        return (self.accept["cache"] if self.accept["cache"].count else self.accept["neural"]).alpha
+
     def hit_share(self, backup: str) -> float:
         p_m, p_f = self.p_hit["model"].value, self.p_hit["fast"].value
         return p_m if backup == "neural" else p_f / max(1.0 - p_m + p_f, 1e-9)

@@ -3,12 +3,14 @@
 The accepted length is modelled as a capped geometric with per-token acceptance a; the chance that
 the cache misses t* at a depth with fan-out F as F^-r. Minimising the expected miss rate under a
 budget B = sum F_k gives F_k ~ a^(k/(1+r)) for k < K and F_K ~ a^(K/(1+r)) (1-a)^(-1/(1+r))
-(SSD paper, section 4). Both a and r are estimated online from verified rounds.
+(SSD paper, section 4). r is fitted online from the cache's lookups; a is the cost model's
+acceptance of the drafter's drafts, read at each allocation (one estimate of one quantity).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 def _largest_remainder(weights: list[float], budget: int) -> list[int]:
@@ -37,23 +39,22 @@ def geometric_fanout(k: int, budget: int, a: float, r: float) -> list[int]:
     return _largest_remainder(w, budget)
 
 
+def _prior_a() -> float:
+    return 0.8
+
+
 @dataclass
 class FanoutEstimator:
-    """Online estimates of a (per-token acceptance) and r (miss exponent).
+    """The fan-out's two parameters: a (per-token acceptance) and r (miss exponent).
 
-    a: maximum likelihood for a capped geometric: accepted tokens / (accepted + rejections).
+    a: ``acceptance()``, the estimate the cost model keeps (``CostModel.drafter_alpha``); the prior
+       when the estimator stands alone.
     r: least squares of log(miss rate) on log(F) over the fan-outs seen (kept per F value).
     """
 
-    prior_a: float = 0.8
+    acceptance: Callable[[], float] = _prior_a
     prior_r: float = 1.0
-    accepted: int = 0
-    rejections: int = 0
     by_fanout: dict[int, list[int]] = field(default_factory=dict)  # F -> [misses, trials]
-
-    def record_round(self, accepted: int, draft_len: int) -> None:
-        self.accepted += accepted
-        self.rejections += int(accepted < draft_len)
 
     def record_lookup(self, fanout: int, hit: bool) -> None:
         m = self.by_fanout.setdefault(fanout, [0, 0])
@@ -62,10 +63,7 @@ class FanoutEstimator:
 
     @property
     def a(self) -> float:
-        n = self.accepted + self.rejections
-        if n < 4:
-            return self.prior_a
-        return self.accepted / n
+        return self.acceptance()
 
     @property
     def r(self) -> float:

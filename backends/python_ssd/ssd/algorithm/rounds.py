@@ -63,7 +63,8 @@ class RoundRecord:
 
 class Learner:
     """Takes every round's record to the estimates that learn from it: the cost model (engine
-    costs, acceptance, hit rates), the scheduler's measured rates and the fan-out fit."""
+    costs, acceptance, hit rates), the scheduler's measured rates and the fan-out's miss exponent
+    (its acceptance is the cost model's)."""
 
     def __init__(self, scheduler, fanout):
         self.scheduler, self.fanout = scheduler, fanout
@@ -71,7 +72,5 @@ class Learner:
     def observe(self, rec: RoundRecord) -> None:
         self.scheduler.model.learn(rec)
         self.scheduler.observe(rec)
-        if rec.drafted:
-            self.fanout.record_round(rec.accepted, rec.drafted)
         if rec.hit is not None:
             self.fanout.record_lookup(rec.fanout_at_outcome, rec.hit)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 from ..algorithm.fanout import FanoutEstimator, allocate
 from ..algorithm.ngram import propose
@@ -44,13 +44,25 @@ class SharedState:
     """Server-wide state every request learns from (and feeds)."""
 
     policy: Scheduler = field(default_factory=Scheduler)
-    estimator: FanoutEstimator = field(default_factory=FanoutEstimator)
-    active: int = 0  # sequences currently decoding: the batch size the scheduler plans for
+    # the fan-out's acceptance is the cost model's, read where the fan-out is allocated
+    estimator: FanoutEstimator = field(init=False)
+    # sequences currently decoding: the batch size the scheduler plans for, the coalescer's expected
+    # callers and the server's admission count; Generation.run keeps it, ``on_active`` hears each change
+    active: int = 0
+    on_active: Callable[[int], None] | None = None
     # Verify rows the target runs at one tile's cost (0: no limit). The batch-invariant CPU target
     # runs its GEMMs in tiles of up to 32 rows: 8 sequences x (K=4 + 1) = 40 rows cost two tiles,
     # ~1.5x of 32 rows for 10% more tokens. So a round's K is lowered until b (K + 1) fits (never
     # below 1): every round is verified in full whatever its K, so this is exact.
     max_verify_rows: int = 0
+
+    def __post_init__(self) -> None:
+        self.estimator = FanoutEstimator(acceptance=lambda: self.policy.model.drafter_alpha())
+
+    def add_active(self, n: int) -> None:
+        self.active += n
+        if self.on_active is not None:
+            self.on_active(self.active)
 
     @property
     def learner(self) -> Learner:
@@ -94,7 +106,7 @@ class Generation:
 
     async def run(self) -> AsyncIterator[list[int]]:
         """Yields the target's tokens, a block per round. The caller stops iterating when done."""
-        self.shared.active += 1
+        self.shared.add_active(1)
         try:
             t0 = time.perf_counter()
             first, _ = await asyncio.gather(self.c.verify(self._verify(self.prompt, [])), self._warm_drafter())
@@ -109,7 +121,7 @@ class Generation:
                 self.stats.new_tokens += len(block)
                 yield block
         finally:
-            self.shared.active -= 1
+            self.shared.add_active(-1)
 
     async def take(self, n: int) -> list[int]:
         """The first ``n`` tokens, with no stop conditions (tests and tools that want exactly

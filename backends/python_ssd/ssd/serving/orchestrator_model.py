@@ -51,7 +51,7 @@ class OrchestratorModel:
                                        max_window=cfg.coalesce_window_ms / 1000) \
             if cfg.coalesce_window_ms > 0 else BLSClient()
         self.metrics = Metrics()
-        self.active = 0
+        self.shared.on_active = self.metrics.set_active  # the gauge follows the one count of decoding requests
         self.kv = KvBudget(cfg.kv_budget_tokens, cfg.kv_wait_s)
         self.required_engine = "target"  # without it nothing decodes; a drafter's absence costs speed only
         self.supervisor = None
@@ -97,7 +97,7 @@ class OrchestratorModel:
             return (f"{errors.UNAVAILABLE}'{self.required_engine}' is restarting after its process died; retry in a "
                     "few seconds", errors.CODE[errors.UNAVAILABLE])
         if n_active >= self.cfg.max_active_requests:
-            return (f"{errors.BUSY}{self.active} requests decoding and {self.kv.waiting} waiting "
+            return (f"{errors.BUSY}{self.shared.active} requests decoding and {self.kv.waiting} waiting "
                     f"(max_active_requests={self.cfg.max_active_requests}); retry later", errors.CODE[errors.BUSY])
         return None
 
@@ -118,7 +118,7 @@ class OrchestratorModel:
             self._error(sender, str(e), BAD_INPUT)
             return
         await self._target_back()
-        refusal = self._refusal(self.active + self.kv.waiting)
+        refusal = self._refusal(self.shared.active + self.kv.waiting)
         if refusal is not None:
             self.metrics.busy()
             self._error(sender, *refusal)
@@ -139,8 +139,6 @@ class OrchestratorModel:
             self.metrics.kv_state(self.kv.reserved, self.kv.waiting)
 
     async def _decode(self, request, sender, req, prompt) -> None:
-        self.active += 1
-        self.metrics.set_active(self.active)
         seq_id = uuid.uuid4().hex
         gen = Generation(self.client, seq_id, prompt, req.params, req.seed, req.decode, self.shared)
         checker = StopChecker(self.codec.decode, req.max_tokens, self.codec.eos_ids, req.stop)
@@ -168,7 +166,7 @@ class OrchestratorModel:
             stats["b_star"] = pol.model.b_star(dc.k, dc.fanout_budget)
             # counters first: a client that reads /metrics right after its response sees itself
             self.metrics.request_done(req.decode.mode, status, stats, stats["b_star"])
-            b, k_now = max(self.active, 1), self.shared.round_k(dc.k)
+            b, k_now = max(self.shared.active, 1), self.shared.round_k(dc.k)
             rates = {}
             if pol.model.known:  # at each choice's K, as the next round sees them
                 rates, _ = pol.estimates(b, k_now, dc.fanout_budget, pol.model.best_k(b, k_now, dc.fanout_budget))
@@ -190,8 +188,6 @@ class OrchestratorModel:
             tail = "; the engine is being reloaded, retry in a few seconds" if down else ""
             self._error(sender, kind + msg + tail, errors.CODE[kind])
         finally:
-            self.active -= 1
-            self.metrics.set_active(self.active)
             await self.client.release(seq_id)
 
     def finalize(self):

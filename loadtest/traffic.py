@@ -1,0 +1,30 @@
+"""What every Locust user here sends and reads (loadtest/locustfile.py, loadtest/soak_locustfile.py,
+tools/llamacpp/llama_locustfile.py): the prompts, the `ssd` model's request body, a response's ids.
+No Locust listeners, so any locustfile imports it without taking on another's options."""
+from __future__ import annotations
+
+import itertools
+
+from ssd_tools.prompts import load
+
+GENERATE = "/v2/models/ssd/generate"
+GENERATE_STREAM = "/v2/models/ssd/generate_stream"
+LOOPBACK = ("127.0.0.1", "localhost")  # the load tests target this machine only
+
+
+def prompts(datasets: list[str], per_dataset: int) -> list[str]:
+    """The first ``per_dataset`` prompts of each dataset, interleaved, so consecutive requests (and
+    concurrent users) get different kinds."""
+    sets = [load(ds, per_dataset) for ds in datasets]
+    return [p for group in itertools.zip_longest(*sets) for p in group if p]
+
+
+def body(prompt: str, max_tokens: int, mode: str, stream: bool = False, **sampling) -> dict:
+    """A generate(_stream) request; greedy unless ``sampling`` sets temperature (and top_p, seed)."""
+    return {"text_input": prompt, "max_tokens": max_tokens, "mode": mode, "temperature": 0.0, "stream": stream,
+            **sampling}
+
+
+def output_ids(v) -> list[int]:
+    """Triton's JSON writes a one-element output_ids as a bare number, not a list."""
+    return [] if v is None else (v if isinstance(v, list) else [v])
