@@ -1,10 +1,10 @@
 """How the `ssd` model words and codes its errors, so that any frontend can tell them apart.
 
 Every error carries a Triton error code (INVALID_ARG, UNAVAILABLE, INTERNAL) and a message that
-starts with its class. The code reaches clients of Triton's C API and frontends that read it;
-tritonserver 2.51's HTTP generate endpoints answer every error a decoupled model sends with 400,
-and a gRPC stream delivers an error as a message without a status, so the prefix is what a
-client of those sees. ``http_status`` maps a message back to the status it stands for.
+starts with its class. The code reaches clients of Triton's C API; tritonserver 2.51's HTTP
+generate endpoints answer every model error with 400, a gRPC stream delivers an error as a message
+without a status, and `/infer` does not serve a decoupled model, so the prefix is what a client of
+Triton sees (docs/reliability.md). ``http_status`` maps a message back to the status it stands for.
 """
 from __future__ import annotations
 
