@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 MODELS = {"target": "qwen2.5-coder-1.5b", "drafter": "qwen2.5-coder-0.5b"}
 # runtime label -> how the served configuration builds it (target: exact rows; drafter: its served options)
-RUNTIMES = ("torch", "openvino-bf16", "openvino-f32", "openvino-int8")
+RUNTIMES = ("torch", "torch-bf16", "openvino-bf16", "openvino-f32", "openvino-int8")
 
 
 def _engine(runtime: str, folder: Path, role: str, threads: int):
@@ -31,6 +31,9 @@ def _engine(runtime: str, folder: Path, role: str, threads: int):
         if role == "target":
             return TorchEngine(folder, threads=threads, exact=True)
         return TorchEngine(folder, threads=threads, exact=False, head_vocab=32768, weight_quant="int8_full")
+    if runtime == "torch-bf16":  # a drafter without int8: packed bf16 GEMMs, flat in rows
+        from ssd.engine.engine import TorchEngine
+        return TorchEngine(folder, threads=threads, exact=role == "target", head_vocab=0 if role == "target" else 32768)
     from ssd.engine.ov_engine import OpenVinoEngine
     return OpenVinoEngine(folder, weights=runtime.split("-")[1], threads=threads, exact=role == "target")
 

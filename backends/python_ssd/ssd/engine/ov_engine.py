@@ -58,13 +58,12 @@ class SlotKV:
 
 
 def compute_precision(core, weight_format: str):
-    """bf16 weights compute in bf16 where the CPU plugin's default precision is bf16 (native
-    AVX-512 BF16 or AMX), in f32 elsewhere (emulated bf16 is far slower than f32); f32 and int8
-    weights compute in f32."""
+    """The CPU plugin's default precision (bf16 where the CPU has native AVX-512 BF16 or AMX, f32
+    elsewhere: emulated bf16 is far slower than f32), except that "f32" weights ask for f32."""
     import openvino as ov
     import openvino.properties.hint as hints
 
-    if weight_format == "bf16" and core.get_property("CPU", hints.inference_precision) == ov.Type.bf16:
+    if weight_format != "f32" and core.get_property("CPU", hints.inference_precision) == ov.Type.bf16:
         return ov.Type.bf16
     return ov.Type.f32
 
