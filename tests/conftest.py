@@ -86,8 +86,8 @@ def start_tiny_server(engine_root, tmp_path_factory, **ssd_params: str):
 
     repo = render_repository(tmp_path_factory.mktemp("repo") / "models", {
         "ssd": {"tokenizer": TARGET, "num_draft_tokens": "3", "fanout_budget": "6", **ssd_params},
-        "target": {"engine": TARGET, "cores": "0", "threads": "1", "dtype": "float32"},
-        "drafter_primary": {"engine": TARGET, "cores": "1", "threads": "1", "dtype": "bfloat16"},
+        "target": {"engine": TARGET, "cores": "0", "threads": "1", "wide_cores": "0,1", "dtype": "float32"},
+        "drafter_primary": {"engine": TARGET, "cores": "1", "threads": "1", "wide_cores": "0,1", "dtype": "bfloat16"},
         "drafter_backup": {"cores": "1"},
     })
     srv = TritonServer(repo, engine_root, log_file=tmp_path_factory.mktemp("log") / "tritonserver.log")

@@ -2,7 +2,7 @@
 shape, and rounds fed to it at chosen rates (test_scheduler.py, test_cost_model.py)."""
 from __future__ import annotations
 
-from ssd.algorithm.rounds import Choice, RoundRecord
+from ssd.algorithm.rounds import SPLIT_CHOICES, Choice, RoundRecord
 from ssd.algorithm.scheduler import Scheduler
 
 
@@ -52,7 +52,7 @@ def record(choice, tokens: float, seconds: float, batch: int = 1, after_switch: 
                        seconds=seconds, source="none", drafted=0, hit=None, after_switch=after_switch)
 
 
-def run_batch(s: Scheduler, rates: dict, batch: int, rounds: int, allowed=tuple(Choice)) -> list:
+def run_batch(s: Scheduler, rates: dict, batch: int, rounds: int, allowed=SPLIT_CHOICES) -> list:
     """``rounds`` rounds of a batch of ``batch`` sequences, each choice running at ``rates[choice]``
     tokens/s per sequence (a callable of the round number, or a number); the decisions, one a round."""
     seen = []

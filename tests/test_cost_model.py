@@ -133,3 +133,21 @@ def test_each_choice_drafts_the_k_that_predicts_the_most():
     free.model.drafter = StepCost()
     free.model.drafter.observe(1, 0.001)
     assert free.model.best_k(1, 4, 12)[Choice.SSD_NEURAL] == 4 and free.model.best_k(1, 4, 12)[Choice.SD] == 4
+
+
+def test_wide_rounds_are_priced_from_their_own_curves():
+    """Until a wide round is measured, SD and AR on every core are priced as on their own core (no
+    gain assumed, so the bandit tries them); a wide round teaches the wide curves only."""
+    model = measured_scheduler().model
+    split_target, split_drafter = model.target(5), model.drafter(1)
+    r = model.rates(1, 4, 8)
+    assert r[Choice.SD_WIDE] == r[Choice.SD] and r[Choice.AR_WIDE] == r[Choice.AR]
+    rec = RoundRecord(Choice.SD_WIDE, "policy", 4, 0, 1, tokens=4, seconds=0.5, source="draft", drafted=4, hit=None,
+                      target_timing=((5, 0.6 * split_target),), drafter_timing=((1, 0.6 * split_drafter),) * 4)
+    model.learn(rec)
+    assert model.target(5) == split_target and model.drafter(1) == split_drafter
+    wide = model.rates(1, 4, 8)
+    assert abs(wide[Choice.SD_WIDE] / wide[Choice.SD] - 1 / 0.6) < 1e-6
+    assert wide[Choice.AR_WIDE] > wide[Choice.AR]
+    assert Choice.SD_WIDE.mode == "sd" and Choice.SD_WIDE.wide and not Choice.SD.wide
+    assert Choice.SD.switch_is_free(Choice.SD_WIDE) and not Choice.SD.switch_is_free(Choice.SSD_NEURAL)

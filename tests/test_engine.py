@@ -249,3 +249,44 @@ def test_int8_rows_of_unlike_magnitude_do_not_share_an_activation_scale():
     for i in range(6):
         err = ((together[i] - exact[i]).norm() / exact[i].norm()).item()
         assert err < 0.05, (i, err)
+
+
+def test_thread_counts_switch_only_where_rows_keep_their_bits(engine_root, codec):
+    """A wide round asks an engine for more threads. An exact target takes them only if its rows
+    come out with the same bits (checked on this machine); then its logits at 2 threads equal
+    those at 1 on a prompt the check never saw. A drafter (not exact) takes any count. The
+    placement moves the computing thread to the wide cores and back."""
+    import os
+
+    from ssd.engine.engine import ExtendCall, TorchEngine
+    from ssd.serving.placement import Placement
+
+    ids = codec.encode_prompt(PROMPTS[1])
+    threads_before = torch.get_num_threads()
+    target = TorchEngine(engine_root / TARGET, dtype="float32", threads=1)
+
+    def logits(eng):
+        eng.release("t")
+        out = [eng.extend([ExtendCall("t", ids[:-6], 1)])[0], eng.extend([ExtendCall("t", ids[:-5], 1)])[0],
+               eng.extend([ExtendCall("t", ids, 5)])[0]]
+        eng.release("t")
+        return out
+
+    ref = logits(target)
+    before = os.sched_getaffinity(0)
+    try:
+        if len(before) < 2:
+            pytest.fail("this test needs two cores (the CI machine has two)")
+        core, wide = min(before), sorted(before)[:2]
+        place = Placement(target, str(core), ",".join(map(str, wide)), "1")
+        used = place.use(2)
+        assert used == (2 if target.allows_threads(2) else 1)
+        assert torch.get_num_threads() == used
+        assert os.sched_getaffinity(0) == (set(wide) if used == 2 else {core})
+        assert all(torch.equal(a, b) for a, b in zip(logits(target), ref))  # either way: the same bits
+        assert place.use(0) == 1 and torch.get_num_threads() == 1 and os.sched_getaffinity(0) == {core}
+        drafter = TorchEngine(engine_root / TARGET, dtype="bfloat16", threads=1, exact=False)
+        assert drafter.allows_threads(2)
+    finally:
+        os.sched_setaffinity(0, before)
+        torch.set_num_threads(threads_before)

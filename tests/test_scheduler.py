@@ -118,3 +118,17 @@ def test_a_choice_far_below_the_best_is_never_tried():
 
 def test_the_config_has_few_tunables():
     assert len(PolicyConfig.__dataclass_fields__) <= 8
+
+
+def test_wide_sd_wins_where_a_second_thread_pays():
+    """With the wide choices allowed and SD on every core measuring fastest, the batch settles
+    there; where it measures slower than SD on its own core, it is left alone."""
+    allowed = tuple(Choice)
+    s = measured_scheduler()
+    seen = run_batch(s, {SSD_N: 2.0, SSD_F: 1.9, SD: 2.6, AR: 0.8, Choice.SD_WIDE: 3.2, Choice.AR_WIDE: 1.0},
+                     batch=1, rounds=300, allowed=allowed)
+    assert sum(d.choice == Choice.SD_WIDE for d in seen[-100:]) >= 90
+    s = measured_scheduler()
+    seen = run_batch(s, {SSD_N: 2.0, SSD_F: 1.9, SD: 2.6, AR: 0.8, Choice.SD_WIDE: 1.6, Choice.AR_WIDE: 0.6},
+                     batch=1, rounds=300, allowed=allowed)
+    assert sum(d.choice == SD for d in seen[-100:]) >= 90

@@ -15,7 +15,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from conftest import PROMPTS, TARGET, WEAK
+from conftest import PROMPTS, TARGET, WEAK, start_tiny_server
 
 MAX_TOKENS = 24
 
@@ -81,7 +81,7 @@ def test_http_generate_equals_in_process_greedy(server, reference, codec, mode):
         else:  # the policy's choice, each SSD round with one cache lookup
             ssd_rounds = sum(n for c, n in choices.items() if c.startswith("ssd"))
             assert stats["cache_hits"] + stats["cache_misses"] == ssd_rounds
-            assert set(stats["policy_rates_tok_s"]) <= {"ssd+neural", "ssd+fast", "sd", "ar"}
+            assert set(stats["policy_rates_tok_s"]) <= {"ssd+neural", "ssd+fast", "sd", "ar", "sd@wide", "ar@wide"}
 
 
 def test_grpc_stream_equals_http(server, reference, codec):
@@ -220,3 +220,19 @@ def test_client_disconnect_mid_stream_frees_the_request(server, reference):
     prompt, ref = next(iter(reference.items()))
     status, body = _post(server, {"text_input": prompt, "max_tokens": MAX_TOKENS, "mode": "ssd"})
     assert status == 200 and json.loads(body)["output_ids"] == ref
+
+
+@pytest.mark.parametrize("choice", ["sd@wide", "ar@wide"])
+def test_wide_rounds_give_the_lone_ar_output(engine_root, tmp_path_factory, reference, choice):
+    """Every round on the wide layout (the engine at work on both cores, two threads where its rows
+    keep their bits): the served greedy output is still the target's own."""
+    srv = start_tiny_server(engine_root, tmp_path_factory, force_mode=choice)
+    try:
+        for prompt, ref in reference.items():
+            status, body = _post(srv, {"text_input": prompt, "max_tokens": MAX_TOKENS, "mode": "ssd"})
+            assert status == 200, body
+            d = json.loads(body)
+            assert d["output_ids"] == ref, (choice, prompt)
+            assert set(json.loads(d["stats"])["rounds_by_choice"]) == {choice}
+    finally:
+        srv.stop()

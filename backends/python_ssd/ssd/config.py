@@ -13,7 +13,7 @@ from typing import Callable
 MODES = ("ar", "sd", "ssd")
 BACKUPS = ("auto", "neural", "fast")
 FANOUT_SHAPES = ("uniform", "geometric")
-CHOICE_NAMES = ("ssd+neural", "ssd+fast", "sd", "ar")  # what force_mode may pin (scheduler.Choice)
+CHOICE_NAMES = ("ssd+neural", "ssd+fast", "sd", "ar", "sd@wide", "ar@wide")  # what force_mode may pin (scheduler.Choice)
 # K: a round verifies K + 1 rows per sequence; past 7 the acceptance^K tail adds almost nothing and
 # the verify leaves the batch-invariant target's 32-row tile at 4 sequences already
 K_MIN, K_MAX = 1, 7
@@ -35,12 +35,16 @@ class DecodeConfig:
     step_aside: bool = True  # ssd only: the scheduler may run SD or AR rounds when they predict more
     adaptive_k: bool = True  # ssd only: the scheduler picks each choice's K up to k
 
-    def allowed(self) -> tuple[str, ...]:
-        """The choices the scheduler may make for this request."""
+    def allowed(self, wide: bool = False) -> tuple[str, ...]:
+        """The choices the scheduler may make for this request: ar and sd requests run their mode
+        on the split layout (the baselines); an ssd request may step aside to SD and AR, on the
+        wide layout too where the server offers it (``wide``)."""
         if self.mode != "ssd":
             return (self.mode,)
         ssd = ("ssd+neural", "ssd+fast") if self.backup == "auto" else (f"ssd+{self.backup}",)
-        return ssd + (("sd", "ar") if self.step_aside else ())
+        if not self.step_aside:
+            return ssd
+        return ssd + ("sd", "ar") + (("sd@wide", "ar@wide") if wide else ())
 
     def validate(self, label: Callable[[str], str] = lambda name: f"input '{name}'") -> None:
         """Raises ValueError naming the offending field, as ``label`` spells it (a request input
@@ -79,6 +83,9 @@ class ServerConfig:
     # K is lowered until batch x (K + 1) verify rows fit: the batch-invariant CPU target runs larger
     # forwards as several GEMM tiles (0: no cap)
     max_verify_rows: int = 32
+    # threads an engine computes with in a wide round (choices "sd@wide", "ar@wide": the engine at
+    # work gets every core; engines' `wide_cores`); 0: split rounds only
+    wide_threads: int = 2
     # KV admission (decoding/admission.py): tokens of every engine's KV that requests may reserve
     # together (0: no budget), and how long a request that does not fit yet may wait
     kv_budget_tokens: int = 65536
@@ -130,6 +137,7 @@ class ServerConfig:
         check(self.coalesce_window_ms >= 0, "coalesce_window_ms", f"must be >= 0, got {self.coalesce_window_ms}")
         check(self.max_active_requests >= 1, "max_active_requests", f"must be >= 1, got {self.max_active_requests}")
         check(self.max_verify_rows >= 0, "max_verify_rows", f"must be >= 0, got {self.max_verify_rows}")
+        check(self.wide_threads >= 0, "wide_threads", f"must be >= 0, got {self.wide_threads}")
         check(self.kv_budget_tokens >= 0, "kv_budget_tokens", f"must be >= 0, got {self.kv_budget_tokens}")
         check(self.kv_wait_s >= 0, "kv_wait_s", f"must be >= 0, got {self.kv_wait_s}")
         check(self.supervise_interval_s > 0, "supervise_interval_s",

@@ -4,6 +4,8 @@ With K draft tokens, B speculation branches per sequence and b sequences decodin
 
     AR        1 / T_t(b)
     SD        E_sd(K) / (K T_d(b) + T_t(b(K+1)))
+    AR@wide, SD@wide: the same with the engines' curves at every core (W_t, W_d); until a wide
+              round was measured they are the split curves (no gain assumed: the bandit tries them)
     SSD(kind) [p E_hit(K) + (1-p) E_miss(K)] / (max(T_v, T_s) + (1 - p^b) T_backup(kind))
               T_v = T_t(b(K+1)),  T_s = T_d(b(K+1)) + K T_d(bB)   (verify and speculation overlap)
 
@@ -65,6 +67,8 @@ class CostModel:
     k_margin: float = 0.10  # a shorter K must predict this much more (per-round costs the formulas omit)
     target: StepCost = field(default_factory=StepCost)
     drafter: StepCost = field(default_factory=StepCost)
+    target_wide: StepCost = field(default_factory=StepCost)  # the same engines on every core
+    drafter_wide: StepCost = field(default_factory=StepCost)
     accept: dict = field(default_factory=lambda: {"cache": Acceptance(0.7), "neural": Acceptance(0.7),
                                                    "fast": Acceptance(0.25)})
     p_hit: dict = field(default_factory=lambda: {"model": Ema(0.6), "fast": Ema(0.8)})  # by verified draft
@@ -84,6 +88,10 @@ class CostModel:
         e_sd = self.accept["neural"].tokens(k)
         e_hit = self.accept["cache"].tokens(k) if self.accept["cache"].count else e_sd
         out = {Choice.AR: 1 / T_t(b), Choice.SD: e_sd / (k * T_d(b) + t_v)}
+        W_t = self.target_wide if self.target_wide.known else T_t
+        W_d = self.drafter_wide if self.drafter_wide.known else T_d
+        out[Choice.AR_WIDE] = 1 / W_t(b)
+        out[Choice.SD_WIDE] = e_sd / (k * W_d(b) + W_t(b * (k + 1)))
         for c in (Choice.SSD_NEURAL, Choice.SSD_FAST):
             p = self.hit_share(c.backup)
             tokens = p * e_hit + (1 - p) * self.accept[c.backup].tokens(k)
@@ -145,7 +153,8 @@ class CostModel:
 
     def learn(self, rec: RoundRecord) -> None:
         """Engine costs, acceptance per draft source and hit rate per verified draft, from one round."""
-        for curve, timing in ((self.target, rec.target_timing), (self.drafter, rec.drafter_timing)):
+        curves = (self.target_wide, self.drafter_wide) if rec.choice.wide else (self.target, self.drafter)
+        for curve, timing in zip(curves, (rec.target_timing, rec.drafter_timing)):
             for rows, seconds in timing:
                 curve.observe(rows, seconds)
         source = "neural" if rec.source == "draft" else rec.source

@@ -10,28 +10,41 @@ from enum import Enum
 
 
 class Choice(str, Enum):
-    """What a round runs: the mode and, for SSD, what drafts after a cache miss."""
+    """What a round runs: the mode, for SSD what drafts after a cache miss, and the core layout.
+    Split (the default): target and drafter on a core each, one thread each, so SSD's verify and
+    speculation run side by side. Wide ("@wide"): the engine that computes gets every core the
+    server has (SD drafts, then verifies, serially; AR verifies), which pays where a second thread
+    speeds a forward more than running the drafter beside it does."""
 
     SSD_NEURAL = "ssd+neural"
     SSD_FAST = "ssd+fast"
     SD = "sd"
     AR = "ar"
+    SD_WIDE = "sd@wide"
+    AR_WIDE = "ar@wide"
 
     def __str__(self) -> str:
         return self.value
 
     @property
     def mode(self) -> str:
-        return self.value.partition("+")[0]
+        return self.value.partition("+")[0].partition("@")[0]
+
+    @property
+    def wide(self) -> bool:
+        return self.value.endswith("@wide")
 
     @property
     def backup(self) -> str:
         return self.value.partition("+")[2] or "neural"
 
     def switch_is_free(self, other: "Choice") -> bool:
-        """The two SSD choices share the speculation and its cache and differ only after a miss;
-        any other change costs a round (the drafter catches up, no cached draft)."""
-        return self.mode == other.mode == "ssd"
+        """Choices of one mode share everything but the layout (or, for SSD, the backup); any other
+        change costs a round (the drafter catches up, no cached draft)."""
+        return self.mode == other.mode
+
+
+SPLIT_CHOICES = tuple(c for c in Choice if not c.wide)
 
 
 @dataclass(frozen=True)

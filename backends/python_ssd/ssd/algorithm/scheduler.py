@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 
 from .cost_model import CostModel, StepCost
-from .rounds import Choice, RoundRecord
+from .rounds import SPLIT_CHOICES, Choice, RoundRecord
 
 
 @dataclass
@@ -88,7 +88,7 @@ class Scheduler:
         self._round: Decision | None = None  # this round's decision, shared by every sequence asking
         self._asked: set = set()
 
-    def choose(self, batch: int, k: int, budget: int, allowed=tuple(Choice), seq: str | None = None,
+    def choose(self, batch: int, k: int, budget: int, allowed=SPLIT_CHOICES, seq: str | None = None,
                adaptive_k: bool = False) -> Decision:
         """The choice for sequence ``seq``'s next round among ``allowed``. A round of the batch
         starts when a sequence asks again (or ``seq`` is None); every sequence asking within it

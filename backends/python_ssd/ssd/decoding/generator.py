@@ -55,6 +55,8 @@ class SharedState:
     # ~1.5x of 32 rows for 10% more tokens. So a round's K is lowered until b (K + 1) fits (never
     # below 1): every round is verified in full whatever its K, so this is exact.
     max_verify_rows: int = 0
+    # threads of a wide round (Choice.wide: the engine at work on every core); 0: split rounds only
+    wide_threads: int = 0
 
     def __post_init__(self) -> None:
         self.estimator = FanoutEstimator(acceptance=lambda: self.policy.model.drafter_alpha())
@@ -97,12 +99,13 @@ class Generation:
         self.k = cfg.k  # this round's draft length (SharedState.round_k, CostModel.best_k)
         self.drafter_ok = True
         self.last_choice: Choice | None = None  # the previous round's
+        self.threads = 0  # this round's layout (VerifyCall.threads): 0 split, else wide
 
     def _verify(self, prefix, draft, probs=None) -> VerifyCall:
-        return VerifyCall(self.seq_id, prefix, draft, self.params, self.seed, self.round, probs)
+        return VerifyCall(self.seq_id, prefix, draft, self.params, self.seed, self.round, probs, self.threads)
 
     def _draft_call(self, prefix, fanout, c=1.0) -> DraftCall:
-        return DraftCall(self.seq_id, prefix, self.k, self.params, self.seed, self.round, c, fanout)
+        return DraftCall(self.seq_id, prefix, self.k, self.params, self.seed, self.round, c, fanout, self.threads)
 
     async def run(self) -> AsyncIterator[list[int]]:
         """Yields the target's tokens, a block per round. The caller stops iterating when done."""
@@ -175,13 +178,14 @@ class Generation:
         choice's K up to the request's (``CostModel.best_k``); sd and ar requests are baselines
         and draft exactly the K they asked for (lowered only by ``SharedState.round_k``)."""
         cfg, pol, active = self.cfg, self.shared.policy, self.shared.active
-        allowed = cfg.allowed()
+        allowed = cfg.allowed(wide=self.shared.wide_threads > 0)
         if not self.drafter_ok:  # only the target and the n-gram backup are left
             allowed = ("ar",) if cfg.mode == "ar" else ("ssd+fast", "ar")
         adaptive = cfg.adaptive_k and cfg.mode == "ssd"
         budget = cfg.fanout_budget if adaptive else pol.model.tree_budget(active, k_max, cfg.fanout_budget)
         d = pol.choose(active, k_max, budget, allowed, self.seq_id, adaptive_k=adaptive)
         self.k = min(d.ks.get(d.choice, k_max), k_max) if adaptive else k_max
+        self.threads = self.shared.wide_threads if d.choice.wide else 0
         if not self.drafter_ok:
             d.reason = "drafter down"
         return d

@@ -112,6 +112,8 @@ class TorchEngine:
                              "(a drafter)")
         if threads:
             torch.set_num_threads(int(threads))
+        self.threads = torch.get_num_threads()  # the engine's own count; set_threads changes it per call
+        self._thread_check: dict[int, bool] = {}
         folder = Path(folder)
         with open(folder / "config.json") as f:
             hf = json.load(f)
@@ -136,6 +138,44 @@ class TorchEngine:
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    def set_threads(self, n: int) -> None:
+        torch.set_num_threads(n)
+
+    def allows_threads(self, n: int) -> bool:
+        """Whether forwards at ``n`` threads may replace forwards at the engine's own count: always
+        for drafts (they need not be exact); for an exact engine, only if its rows come out with
+        the same bits at both counts. oneDNN keeps each output's sum on one thread for some CPUs
+        and kernels and splits it on others, so this is checked once per count on this machine,
+        with a forward of each shape the target runs (a prefill, one row, a verify, a batch)."""
+        if not self.exact or n == self.threads:
+            return True
+        if n not in self._thread_check:
+            self._thread_check[n] = self._same_bits_at(n)
+        return self._thread_check[n]
+
+    def _same_bits_at(self, n: int) -> bool:
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(10, self.vocab_size, (48,), generator=g).tolist()
+        a, b = "__threads_probe_a", "__threads_probe_b"
+
+        def forwards() -> list[torch.Tensor]:
+            out = [self.extend([ExtendCall(a, ids[:40], 1)])[0], self.extend([ExtendCall(a, ids[:41], 1)])[0],
+                   self.extend([ExtendCall(a, ids[:46], 5)])[0]]
+            out += self.extend([ExtendCall(a, ids[:48], 2), ExtendCall(b, ids[5:12], 3)])
+            self.release(a)
+            self.release(b)
+            return out
+
+        own = self.threads
+        try:
+            ref = forwards()
+            torch.set_num_threads(n)
+            got = forwards()
+        finally:
+            torch.set_num_threads(own)
+            self.timing.clear()
+        return all(torch.equal(x, y) for x, y in zip(ref, got))
 
     def _timed_forward(self, batch: list, exact: bool) -> list[torch.Tensor]:
         t0 = time.perf_counter()

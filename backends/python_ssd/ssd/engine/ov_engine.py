@@ -189,6 +189,9 @@ class OpenVinoEngine(TorchEngine):
         self.folder = folder
         self.timing: list[tuple[int, float]] = []
 
+    def allows_threads(self, n: int) -> bool:
+        return False  # OpenVINO's thread count is fixed when the graph compiles: split rounds only
+
     def _timed_forward(self, batch: list, exact: bool) -> list[torch.Tensor]:
         t0 = time.perf_counter()
         out = self.model.forward(batch, exact=exact)

@@ -15,6 +15,7 @@ import triton_python_backend_utils as pb_utils
 from ..engine.meta import resolve_engine_dir
 from ..workers.factory import build_worker
 from ..workers.protocol import CallError, decode_calls, encode_results, worker_method
+from .placement import Placement
 
 
 def live_state(worker) -> tuple[int, int]:
@@ -31,6 +32,8 @@ class EngineModel:
         self.role = role
         engine = params.get("engine")
         self.worker = build_worker(role, params, resolve_engine_dir(engine) if engine else None)
+        self.placement = Placement(getattr(self.worker, "engine", None), params.get("cores", ""),
+                                   params.get("wide_cores", ""), params.get("threads", ""))
         # what this engine holds, on Triton's /metrics: the soak and the tests read leaks from it
         fam = pb_utils.MetricFamily
         model = config.get("name", role)
@@ -71,6 +74,7 @@ class EngineModel:
         for op, items in groups.items():
             try:
                 method = getattr(self.worker, worker_method(op))
+                self.placement.use(max(getattr(c, "threads", 0) for _, _, c in items))
                 for (out, j, _), r in zip(items, method([c for _, _, c in items])):
                     out[j] = r
             except Exception as e:  # noqa: BLE001

@@ -39,7 +39,7 @@ class OrchestratorModel:
         self.defaults = cfg.decode_defaults()
         self.shared = SharedState(policy=Scheduler(forced_mode=cfg.force_mode or None,
                                                    forced_backup=cfg.force_backup or None),
-                                  max_verify_rows=cfg.max_verify_rows)
+                                  max_verify_rows=cfg.max_verify_rows, wide_threads=cfg.wide_threads)
         trace = os.environ.get("SSD_POLICY_TRACE")
         self._trace_file = None
         if trace:  # one JSON line per scheduler decision and per measured round

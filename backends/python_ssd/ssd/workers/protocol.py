@@ -23,6 +23,7 @@ class VerifyCall:
     seed: int = 0
     round: int = 0
     draft_probs: torch.Tensor | None = None  # [len(draft), V] q' rows; None: greedy or one-hot
+    threads: int = 0  # the round's layout: threads to compute with (0: the engine's own, split)
 
 
 @dataclass
@@ -42,6 +43,7 @@ class DraftCall:
     round: int = 0
     saguaro_c: float = 1.0
     fanout: list[int] = field(default_factory=list)  # top-set size per depth for Saguaro
+    threads: int = 0  # as VerifyCall.threads
 
 
 @dataclass

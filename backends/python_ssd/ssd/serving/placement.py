@@ -1,0 +1,50 @@
+"""Where an engine process computes, per call: the round's core layout (rounds.Choice).
+
+Split rounds (calls with ``threads`` 0): the engine's own cores (`cores`) and thread count
+(`threads`), so target and drafter run side by side. Wide rounds: every core in `wide_cores` and
+the call's thread count, for the one engine at work (SD drafts, then verifies; AR verifies). The
+calling thread's affinity is set before the forward, so the thread pool's workers, created by it,
+inherit it. An exact target switches only to thread counts that give its rows the same bits
+(TorchEngine.allows_threads); refused, it computes with its own count, so the output never
+depends on the layout.
+"""
+from __future__ import annotations
+
+import os
+
+
+def parse_cores(spec: str) -> set[int]:
+    wanted = {int(c) for c in (spec or "").replace(" ", "").split(",") if c != ""}
+    return wanted & os.sched_getaffinity(0) if wanted else set()
+
+
+class Placement:
+    def __init__(self, engine, cores: str, wide_cores: str, threads: str):
+        self.engine = engine
+        self.cores = parse_cores(cores)
+        self.wide_cores = parse_cores(wide_cores) | self.cores
+        self.base = int(threads or 0) or 1
+        self.current = self.base
+        self.enabled = hasattr(engine, "set_threads") and len(self.wide_cores) > len(self.cores)
+        self.refused: set[int] = set()
+
+    def use(self, threads: int) -> int:
+        """Computes the next calls with ``threads`` (0: split) where allowed; returns the count used."""
+        if not self.enabled:
+            return self.current
+        want = threads if threads > self.base else self.base
+        if want != self.base and (want in self.refused or not self._allowed(want)):
+            self.refused.add(want)
+            want = self.base
+        if want != self.current:
+            os.sched_setaffinity(0, self.wide_cores if want > self.base else (self.cores or self.wide_cores))
+            self.engine.set_threads(want)
+            self.current = want
+        return want
+
+    def _allowed(self, threads: int) -> bool:
+        os.sched_setaffinity(0, self.wide_cores)  # the check runs at the wide count too
+        ok = self.engine.allows_threads(threads)
+        if self.current == self.base:
+            os.sched_setaffinity(0, self.cores or self.wide_cores)
+        return ok
