@@ -108,6 +108,8 @@ def plan_split(pr: Preset, main_prompts: list[dict], sweep_prompts: list[dict]) 
     temperature 0.7 table and the sweeps. Some may be the same request (``job_key``)."""
     jobs = [({**p, "phase": "greedy", "mode": m}, {"mode": m, **PIN.get(m, {})})
             for p in main_prompts for m in ("ar", "sd", "ssd")]
+    # the served default: a plain request, every knob the server's, the scheduler choosing each round
+    jobs += [({**p, "phase": "greedy", "mode": "default"}, {"mode": "ssd"}) for p in main_prompts]
     jobs += [({**p, "phase": "t0.7", "mode": m}, {"mode": m, **PIN.get(m, {}), "temperature": 0.7})
              for p in first_prompts(main_prompts, pr.sampled_datasets) for m in pr.sampled_modes]
     for name, variants in pr.sweeps.items():

@@ -121,6 +121,8 @@ def run_served(layout: str, jobs: list[tuple[dict, dict]], a, prog: Progress, wa
         for mode in ("ar", "sd", "ssd"):
             if mode in modes:
                 served_generate(url, warm_text, mode, a, **{**PIN.get(mode, {}), "max_tokens": WARM_TOKENS[mode]})
+        if any(tags.get("mode") == "default" for tags, _ in jobs):  # the scheduler's first records of each choice
+            served_generate(url, warm_text, "ssd", a, max_tokens=2 * WARM_TOKENS["ssd"])
         for tags, extra in jobs:
             body = {k: v for k, v in extra.items() if k != "mode"}
             key = job_key(tags, extra, a.max_tokens)
@@ -204,7 +206,8 @@ def main() -> None:
     engine = InProcess(tdir, ddir, pr.max_tokens, codec.encode_prompt(warm_text)) if "inproc" in phases else None
 
     def twin(tags: dict) -> dict | None:
-        if engine is None or tags.get("phase") != "greedy" or (tags["dataset"], tags["prompt"]) not in twins:
+        if (engine is None or tags.get("phase") != "greedy" or tags["mode"] not in ("ar", "sd", "ssd")
+                or (tags["dataset"], tags["prompt"]) not in twins):
             return None
         inproc_rows.append(engine.run(tags["dataset"], tags["prompt"], codec.encode_prompt(tags["text"]),
                                       tags["mode"]))
