@@ -14,8 +14,9 @@ import os
 
 
 def parse_cores(spec: str) -> set[int]:
+    """The cores of ``spec`` this machine has (the process itself is already pinned to its own)."""
     wanted = {int(c) for c in (spec or "").replace(" ", "").split(",") if c != ""}
-    return wanted & os.sched_getaffinity(0) if wanted else set()
+    return wanted & set(range(os.cpu_count() or 1))
 
 
 class Placement:
