@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -39,6 +40,57 @@ def processes(server_pid: int) -> dict[str, tuple[int, int]]:
     return out
 
 
+class MemorySampler(threading.Thread):
+    """Every process's RSS every ``interval`` seconds while the traffic runs: the start and the end
+    alone cannot tell caches filling up from a leak; the trend over the second half can."""
+
+    def __init__(self, server_pid: int, interval: float):
+        super().__init__(daemon=True)
+        self.server_pid, self.interval = server_pid, interval
+        self.samples: list[tuple[float, dict[str, int]]] = []
+        self._stop = threading.Event()
+        self.t0 = time.time()
+
+    def run(self) -> None:
+        while True:
+            try:
+                self.samples.append((time.time() - self.t0, {n: rss for n, (_, rss) in processes(self.server_pid).items()}))
+            except Exception:  # noqa: BLE001 - a process being reloaded: the next sample sees it
+                pass
+            if self._stop.wait(self.interval):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.join()
+
+    def second_half_slope(self, name: str) -> float | None:
+        """MiB per minute over the second half of the run (least squares); None: too few samples."""
+        pts = [(t, m[name]) for t, m in self.samples if name in m]
+        pts = [p for p in pts if p[0] >= pts[-1][0] / 2] if pts else []
+        if len(pts) < 3:
+            return None
+        mt, mr = sum(t for t, _ in pts) / len(pts), sum(r for _, r in pts) / len(pts)
+        var = sum((t - mt) ** 2 for t, _ in pts)
+        return sum((t - mt) * (r - mr) for t, r in pts) / var * 60 / 2**20 if var else None
+
+    def plot(self, path: Path) -> None:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name in sorted({n for _, m in self.samples for n in m}):
+            pts = [(t / 60, m[name] / 2**20) for t, m in self.samples if name in m]
+            ax.plot(*zip(*pts), label=name)
+        ax.set_xlabel("minutes")
+        ax.set_ylabel("resident memory (MiB)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+
+
 def engine_gauges(metrics_url: str, name: str) -> dict[str, float]:
     return {dict(labels).get("model", ""): v for (n, labels), v in scrape(metrics_url).items() if n == name}
 
@@ -54,7 +106,8 @@ def live_after_settle(metrics_url: str, timeout: float) -> dict[str, float]:
     return live
 
 
-def report(outcomes: dict, errors: dict, mem0: dict, mem1: dict, live: dict, restarts: dict, minutes: float) -> bool:
+def report(outcomes: dict, errors: dict, mem0: dict, mem1: dict, live: dict, restarts: dict, minutes: float,
+           slopes: dict | None = None) -> bool:
     good = sum(outcomes.get(k, 0) for k in ("ok", "ok_stream") + GOOD_FAILURES)
     bad_good = sum(outcomes.get(k, 0) for k in GOOD_FAILURES)
     print(f"\n[soak] {sum(outcomes.values())} requests in {minutes:g} min, by outcome:")
@@ -63,11 +116,13 @@ def report(outcomes: dict, errors: dict, mem0: dict, mem1: dict, live: dict, res
     print(f"[soak] failures among the {good} good requests: {bad_good}")
     for msg, n in errors.items():
         print(f"  {n} x {msg}")
-    print("[soak] resident memory (MiB) start -> end:")
+    print("[soak] resident memory (MiB) start -> end, and its trend over the second half:")
     for name in sorted(set(mem0) | set(mem1)):
         a, b = mem0.get(name, (0, 0)), mem1.get(name, (0, 0))
         note = "" if a[0] == b[0] else f"  (pid {a[0]} -> {b[0]}: reloaded)"
-        print(f"  {name:18s} {a[1] / 2**20:8.1f} -> {b[1] / 2**20:8.1f}  ({(b[1] - a[1]) / 2**20:+.1f}){note}")
+        slope = (slopes or {}).get(name)
+        trend = "" if slope is None else f", second half {slope:+.1f} MiB/min"
+        print(f"  {name:18s} {a[1] / 2**20:8.1f} -> {b[1] / 2**20:8.1f}  ({(b[1] - a[1]) / 2**20:+.1f}{trend}){note}")
     print(f"[soak] sequences left in the engines: {json.dumps(live)} (total {sum(live.values()):.0f})")
     if restarts:
         print(f"[soak] engine restarts: {json.dumps(restarts)}")
@@ -89,6 +144,7 @@ def main() -> None:
     ap.add_argument("--max-active", type=int, default=64, help="max_active_requests of a server started here")
     ap.add_argument("--prompts-per-dataset", type=int, default=8)
     ap.add_argument("--settle", type=float, default=300.0, help="seconds to wait for the last requests to end")
+    ap.add_argument("--sample-s", type=float, default=15.0, help="seconds between memory samples")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "soak")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
@@ -116,17 +172,26 @@ def main() -> None:
                               "--stop-timeout", str(int(a.settle)), "--host", url, "--only-summary",
                               "--csv", str(a.out / "soak"), "SoakUser"]
         print(f"[soak] {a.users} users for {a.minutes:g} min against {url} ...", flush=True)
+        sampler = MemorySampler(server_pid, a.sample_s) if server_pid else None
+        if sampler:
+            sampler.start()
         with open(a.out / "locust.log", "w") as log:
             subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
+        slopes = {}
+        if sampler:
+            sampler.stop()
+            slopes = {n: sampler.second_half_slope(n) for n in {n for _, m in sampler.samples for n in m}}
+            sampler.plot(a.out / "soak_memory.png")
         data = json.loads(summary.read_text()) if summary.exists() else {"outcomes": {}, "errors": {}}
         live = live_after_settle(metrics_url, a.settle)
         mem1 = processes(server_pid) if server_pid else {}
         restarts1 = engine_gauges(metrics_url, "ssd_engine_restarts_total")
         restarts = {m: v - restarts0.get(m, 0.0) for m, v in restarts1.items() if v - restarts0.get(m, 0.0)}
-        ok = report(data["outcomes"], data["errors"], mem0, mem1, live, restarts, a.minutes)
+        ok = report(data["outcomes"], data["errors"], mem0, mem1, live, restarts, a.minutes, slopes)
         (a.out / "soak_report.json").write_text(json.dumps({
             "outcomes": data["outcomes"], "errors": data["errors"], "live_sequences": live, "restarts": restarts,
-            "rss_start": mem0, "rss_end": mem1, "users": a.users, "minutes": a.minutes, "passed": ok}, indent=1))
+            "rss_start": mem0, "rss_end": mem1, "users": a.users, "minutes": a.minutes, "passed": ok,
+            "rss_second_half_mib_per_min": slopes, "rss_samples": sampler.samples if sampler else []}, indent=1))
     finally:
         if srv is not None:
             srv.stop()

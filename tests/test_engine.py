@@ -291,3 +291,25 @@ def test_thread_counts_switch_only_where_rows_keep_their_bits(engine_root, codec
     finally:
         os.sched_setaffinity(0, before)
         torch.set_num_threads(threads_before)
+
+
+@pytest.mark.parametrize("dtype,head_vocab", [("float32", 0), ("bfloat16", 4096)])
+def test_the_embedding_read_from_the_file_equals_the_loaded_table(engine_root, codec, dtype, head_vocab):
+    """On the CPU the engine reads embedding rows from the engine file (embedding.py) instead of
+    holding the table: the logits are the in-memory table's, bit for bit, the truncated head's
+    context rows (tied to the embedding) included."""
+    from safetensors.torch import load_file
+
+    from ssd.engine.engine import ExtendCall, TorchEngine
+    from ssd.engine.model import Transformer
+
+    eng = TorchEngine(engine_root / TARGET, dtype=dtype, exact=head_vocab == 0, head_vocab=head_vocab)
+    ids = codec.encode_prompt(PROMPTS[2])
+    mapped = eng.extend([ExtendCall("m", ids, 4)])[0]
+    eng.release("m")
+    eng.model = Transformer(eng.config, load_file(str(engine_root / TARGET / "model.safetensors")), eng.dtype,
+                            head_vocab=head_vocab)
+    loaded = eng.extend([ExtendCall("m", ids, 4)])[0]
+    assert torch.equal(mapped, loaded)
+    if head_vocab:  # the context's own ids beyond the head got real logits from the embedding rows
+        assert torch.isfinite(mapped[:, [t for t in ids if t >= head_vocab]]).all()

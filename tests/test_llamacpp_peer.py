@@ -138,7 +138,8 @@ def test_report_puts_ours_over_llamacpp_on_the_prompts_both_ran():
         return {"dataset": "d", "prompt": prompt, "mode": source_mode, "decode_tokens_per_s": rate, "ids": [1],
                 "latency_s": 1.0, "acceptance_length": 1.0, **kw}
 
-    raw = {"split": [row("ssd", 0, 12.0, phase="greedy"), row("ssd", 1, 30.0, phase="greedy")],
+    raw = {"split": [row("ssd", 0, 12.0, phase="greedy"), row("ssd", 1, 30.0, phase="greedy"),
+                     row("default", 0, 12.0, phase="greedy")],
            "shared2": [row("ar", 0, 7.0, phase="greedy")],
            "llamacpp": [row("ar", 0, 14.0, k=0), row("spec", 0, 6.0, k=4), row("spec", 2, 50.0, k=4)]}
     table = report.against_llamacpp(raw)
@@ -148,5 +149,5 @@ def test_report_puts_ours_over_llamacpp_on_the_prompts_both_ran():
     assert lines["AR, 2 threads"].endswith("| 0.50x | 1.17x |")
     targets = report.targets(raw)
     assert "| our AR 2 threads / llama.cpp AR 2 threads | 0.50 | >= 0.95 | no |" in targets
-    assert "| SSD / llama.cpp speculative decoding | 2.00 | >= 2.0 | yes |" in targets
+    assert "| served default / llama.cpp speculative decoding | 2.00 | >= 2.0 | yes |" in targets
     assert report.against_llamacpp({"split": raw["split"]}) == "(llama.cpp did not run)"

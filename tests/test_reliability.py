@@ -324,3 +324,6 @@ def test_short_soak_has_no_failures_and_leaves_no_sequences(srv, tmp_path):
     assert outcomes.get("failed", 0) == 0 and outcomes.get("greedy_mismatch", 0) == 0
     assert not any(rep["live_sequences"].values())
     assert set(rep["rss_end"]) >= {"tritonserver", "ssd", *ENGINES} and all(v[1] > 0 for v in rep["rss_end"].values())
+    # memory sampled through the run (every 15 s: five samples a minute), with a trend per process
+    assert len(rep["rss_samples"]) >= 4 and set(rep["rss_samples"][-1][1]) >= {"tritonserver", "ssd", *ENGINES}
+    assert set(rep["rss_second_half_mib_per_min"]) >= {"ssd", *ENGINES} and (out / "soak_memory.png").exists()

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from .embedding import MappedEmbedding
 from .kv_cache import SequenceKV
 from .meta import engine_meta
 from .model import TILE, ModelConfig, RowBatch, Transformer, packing_available
@@ -122,8 +123,11 @@ class TorchEngine:
         self.device = torch.device(device)
         self.dtype = load_dtype(dtype, meta.get("dtype"), device)
         weights = load_file(str(folder / "model.safetensors"))
+        # on the CPU the embedding table stays in the file (embedding.py): half a GB less resident
+        embedding = (MappedEmbedding(folder / "model.safetensors", "model.embed_tokens.weight", self.dtype)
+                     if self.device.type == "cpu" else None)
         self.model = Transformer(self.config, weights, self.dtype, head_vocab=head_vocab, device=self.device,
-                                 int8=bool(weight_quant), int8_down=weight_quant == "int8_full")
+                                 int8=bool(weight_quant), int8_down=weight_quant == "int8_full", embedding=embedding)
         del weights
         _release_freed_memory()
         eos = hf.get("eos_token_id", [])

@@ -207,7 +207,7 @@ class Linear:
 class Transformer:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  pack: bool = True, head_vocab: int = 0, device: torch.device | str = "cpu", int8: bool = False,
-                 int8_down: bool = False):
+                 int8_down: bool = False, embedding=None):
         """``head_vocab`` > 0 keeps only the first ``head_vocab`` rows of the output projection (a
         drafter option: BPE ids are ordered by merge rank, so the low ids are the frequent tokens;
         the rest get logit -inf, i.e. q = 0, which verification handles exactly), except the ids a
@@ -220,20 +220,32 @@ class Transformer:
         magnitude (_int8_rows) tame the outlier tokens, not outlier channels within a row. Top-1
         agreement with bf16 of one-row steps, down_proj in bf16 / in int8: SmolLM2-135M
         0.82-0.94 / 0.75-0.84, the default 0.5B drafter 0.95 / 0.94 (its step 108 / 60-76 ms on the
-        AVX2-only EPYC, where a bf16 down_proj computes in float32 and was half the step)."""
+        AVX2-only EPYC, where a bf16 down_proj computes in float32 and was half the step).
+        ``embedding``: a callable giving the embedding rows of token ids (embedding.MappedEmbedding:
+        the table stays in the file); None keeps the table in memory."""
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
         w = {k: v.to(self.device, dtype).contiguous() for k, v in weights.items()}
         # Tensors we keep are cloned: safetensors maps the file, and one surviving view would keep
         # the whole mapping (every page we touched while packing) resident next to the packed copy.
-        self.embed = w["model.embed_tokens.weight"].clone()
+        table = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"].clone()
-        head = self.embed if config.tie_word_embeddings else w.get("lm_head.weight", self.embed)
+        tied = config.tie_word_embeddings or "lm_head.weight" not in w
+        head = table if tied else w["lm_head.weight"]
         self.head_vocab = head_vocab if 0 < head_vocab < config.vocab_size else config.vocab_size
         self.lm_head = Linear(head[: self.head_vocab].contiguous(), None, pack, int8)
-        # the rows beyond the head, for context ids (a view of the embedding when tied)
-        self.head_rest = head[self.head_vocab:] if head is self.embed else head[self.head_vocab:].clone()
+        if embedding is not None:
+            self.embed = embedding
+        else:
+            table = table.clone()
+            self.embed = lambda ids: F.embedding(ids, table)
+        # the rows beyond the head, for context ids (the embedding's own rows when tied)
+        if tied:
+            self.head_rest = lambda idx: self.embed(idx + self.head_vocab)
+        else:
+            rest = head[self.head_vocab:].clone()
+            self.head_rest = lambda idx: rest.index_select(0, idx)
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -326,7 +338,7 @@ class Transformer:
         tokens = torch.cat([rb.tokens for rb in batch]).to(self.device)
         positions = torch.cat([rb.positions for rb in batch]).to(self.device)
         cos, sin = self._rope(positions)
-        x = F.embedding(tokens, self.embed)
+        x = self.embed(tokens)
         hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
         for li, L in enumerate(self.layers):
             h = self._rms(x, L["ln1"])
@@ -367,7 +379,7 @@ class Transformer:
         for ids, n in zip(context, n_logits):
             if ids is not None and ids.numel() and n:
                 ids = ids.to(self.device)
-                w = self.head_rest.index_select(0, ids - self.head_vocab)
+                w = self.head_rest(ids - self.head_vocab)
                 full[off:off + n, ids] = F.linear(h[off:off + n], w).float()
             off += n
         return full

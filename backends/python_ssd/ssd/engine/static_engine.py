@@ -108,7 +108,7 @@ class StaticStep:
         b, r = self.batch, self.rows
         hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
         cos, sin = m._rope(positions)
-        x = F.embedding(tokens, m.embed)
+        x = m.embed(tokens)
         for li, layer in enumerate(m.layers):
             h = m._rms(x, layer["ln1"])
             q, k, v = layer["qkv"](h).split([hq * d, hk * d, hk * d], dim=-1)
