@@ -48,7 +48,7 @@ class MemorySampler(threading.Thread):
         super().__init__(daemon=True)
         self.server_pid, self.interval = server_pid, interval
         self.samples: list[tuple[float, dict[str, int]]] = []
-        self._stop = threading.Event()
+        self._halt = threading.Event()
         self.t0 = time.time()
 
     def run(self) -> None:
@@ -57,11 +57,11 @@ class MemorySampler(threading.Thread):
                 self.samples.append((time.time() - self.t0, {n: rss for n, (_, rss) in processes(self.server_pid).items()}))
             except Exception:  # noqa: BLE001 - a process being reloaded: the next sample sees it
                 pass
-            if self._stop.wait(self.interval):
+            if self._halt.wait(self.interval):
                 return
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join()
 
     def second_half_slope(self, name: str) -> float | None:
