@@ -259,7 +259,7 @@ def test_thread_counts_switch_only_where_rows_keep_their_bits(engine_root, codec
     import os
 
     from ssd.engine.engine import ExtendCall, TorchEngine
-    from ssd.serving.placement import Placement
+    from ssd.serving.placement import Placement, pin_all_threads
 
     ids = codec.encode_prompt(PROMPTS[1])
     threads_before = torch.get_num_threads()
@@ -289,7 +289,7 @@ def test_thread_counts_switch_only_where_rows_keep_their_bits(engine_root, codec
         drafter = TorchEngine(engine_root / TARGET, dtype="bfloat16", threads=1, exact=False)
         assert drafter.allows_threads(2)
     finally:
-        os.sched_setaffinity(0, before)
+        pin_all_threads(before)
         torch.set_num_threads(threads_before)
 
 

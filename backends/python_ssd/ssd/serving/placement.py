@@ -2,9 +2,9 @@
 
 Split rounds (calls with ``threads`` 0): the engine's own cores (`cores`) and thread count
 (`threads`), so target and drafter run side by side. Wide rounds: every core in `wide_cores` and
-the call's thread count, for the one engine at work (SD drafts, then verifies; AR verifies). The
-calling thread's affinity is set before the forward, so the thread pool's workers, created by it,
-inherit it. An exact target switches only to thread counts that give its rows the same bits
+the call's thread count, for the one engine at work (SD drafts, then verifies; AR verifies). Every
+thread of the process is moved (Triton's stub may call execute from more than one thread, and each
+keeps its own pool of OpenMP workers, created with its affinity of the moment). An exact target switches only to thread counts that give its rows the same bits
 (TorchEngine.allows_threads); refused, it computes with its own count, so the output never
 depends on the layout.
 """
@@ -19,6 +19,14 @@ def parse_cores(spec: str) -> set[int]:
     return wanted & set(range(os.cpu_count() or 1))
 
 
+def pin_all_threads(cores: set[int]) -> None:
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:  # a thread that ended meanwhile
+            pass
+
+
 class Placement:
     def __init__(self, engine, cores: str, wide_cores: str, threads: str):
         self.engine = engine
@@ -28,6 +36,8 @@ class Placement:
         self.current = self.base
         self.enabled = hasattr(engine, "set_threads") and len(self.wide_cores) > len(self.cores)
         self.refused: set[int] = set()
+        if self.enabled and self.cores:  # the process started on the wide cores (roles.pin_process)
+            pin_all_threads(self.cores)
 
     def use(self, threads: int) -> int:
         """Computes the next calls with ``threads`` (0: split) where allowed; returns the count used."""
@@ -38,14 +48,14 @@ class Placement:
             self.refused.add(want)
             want = self.base
         if want != self.current:
-            os.sched_setaffinity(0, self.wide_cores if want > self.base else (self.cores or self.wide_cores))
+            pin_all_threads(self.wide_cores if want > self.base else (self.cores or self.wide_cores))
             self.engine.set_threads(want)
             self.current = want
         return want
 
     def _allowed(self, threads: int) -> bool:
-        os.sched_setaffinity(0, self.wide_cores)  # the check runs at the wide count too
+        pin_all_threads(self.wide_cores)  # the check runs at the wide count too
         ok = self.engine.allows_threads(threads)
         if self.current == self.base:
-            os.sched_setaffinity(0, self.cores or self.wide_cores)
+            pin_all_threads(self.cores or self.wide_cores)
         return ok
