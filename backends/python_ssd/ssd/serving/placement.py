@@ -4,9 +4,9 @@ Split rounds (calls with ``threads`` 0): the engine's own cores (`cores`) and th
 (`threads`), so target and drafter run side by side. Wide rounds: every core in `wide_cores` and
 the call's thread count, for the one engine at work (SD drafts, then verifies; AR verifies). Every
 thread of the process is moved (Triton's stub may call execute from more than one thread, and each
-keeps its own pool of OpenMP workers, created with its affinity of the moment). An exact target switches only to thread counts that give its rows the same bits
-(TorchEngine.allows_threads); refused, it computes with its own count, so the output never
-depends on the layout.
+keeps its own pool of OpenMP workers, created with its affinity of the moment). An exact target
+switches only to thread counts that give its rows the same bits (TorchEngine.allows_threads);
+refused, it computes with its own count, so the output never depends on the layout.
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import os
 
 
 def parse_cores(spec: str) -> set[int]:
-    """The cores of ``spec`` this machine has (the process itself is already pinned to its own)."""
+    """The cores of ``spec`` this machine has (not the calling thread's affinity, which placement
+    changes)."""
     wanted = {int(c) for c in (spec or "").replace(" ", "").split(",") if c != ""}
     return wanted & set(range(os.cpu_count() or 1))
 
@@ -35,7 +36,7 @@ class Placement:
         self.base = int(threads or 0) or 1
         self.current = self.base
         self.enabled = hasattr(engine, "set_threads") and len(self.wide_cores) > len(self.cores)
-        self.refused: set[int] = set()
+        self.checked: dict[int, bool] = {}  # thread count -> the engine allows it (checked once)
         if self.enabled and self.cores:  # the process started on the wide cores (roles.pin_process)
             pin_all_threads(self.cores)
 
@@ -44,8 +45,7 @@ class Placement:
         if not self.enabled:
             return self.current
         want = threads if threads > self.base else self.base
-        if want != self.base and (want in self.refused or not self._allowed(want)):
-            self.refused.add(want)
+        if want != self.base and not self._allowed(want):
             want = self.base
         if want != self.current:
             pin_all_threads(self.wide_cores if want > self.base else (self.cores or self.wide_cores))
@@ -54,8 +54,9 @@ class Placement:
         return want
 
     def _allowed(self, threads: int) -> bool:
-        pin_all_threads(self.wide_cores)  # the check runs at the wide count too
-        ok = self.engine.allows_threads(threads)
-        if self.current == self.base:
-            pin_all_threads(self.cores or self.wide_cores)
-        return ok
+        if threads not in self.checked:
+            pin_all_threads(self.wide_cores)  # the check runs at the wide count too
+            self.checked[threads] = self.engine.allows_threads(threads)
+            if self.current == self.base:
+                pin_all_threads(self.cores or self.wide_cores)
+        return self.checked[threads]

@@ -18,8 +18,8 @@ def pin_process(threads: str, cores: str) -> None:
     if threads:
         os.environ["OMP_NUM_THREADS"] = threads
     if cores:
-        wanted = {int(c) for c in cores.replace(" ", "").split(",") if c != ""}
-        usable = wanted & os.sched_getaffinity(0)
+        from .placement import parse_cores  # os only: nothing heavy before the thread set-up
+        usable = parse_cores(cores) & os.sched_getaffinity(0)
         if usable:  # silently keep the default on machines with fewer cores
             os.sched_setaffinity(0, usable)
 
