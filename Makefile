@@ -6,12 +6,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: serve test venv engines bench bench-quick loadtest aiperf soak clean llama-server
 
-# The pinned stack, then this repository's packages (ssd, ssd_tools, ssd_loadtest, ssd_openai; see
-# pyproject.toml) installed editable, so every script and test imports them by name.
-$(STAMP): requirements.txt pyproject.toml
+# The pinned stack, llama-cpp-python built from source for the llama.cpp target engine (about 3
+# minutes; tools/llamacpp/install_llama_cpp_python.sh says why), then this repository's packages
+# (ssd, ssd_tools, ssd_loadtest, ssd_openai; see pyproject.toml) installed editable, so every script
+# and test imports them by name.
+$(STAMP): requirements.txt pyproject.toml tools/llamacpp/install_llama_cpp_python.sh
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip==24.3.1
 	$(PY) -m pip install -q -r requirements.txt
+	PYTHON=$(PY) bash tools/llamacpp/install_llama_cpp_python.sh
 	$(PY) -m pip install -q --no-deps -e .
 	@touch $(STAMP)
 

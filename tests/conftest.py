@@ -57,6 +57,38 @@ def engine_root() -> Path:
     return ENGINE_ROOT
 
 
+def quantize_q4_k_m(src: Path, dst: Path) -> None:
+    """``src`` requantized by llama.cpp to Q4_K_M, the default target's format, so that the llama.cpp
+    engine's tests run K-quant products (SmolLM2's 576-wide rows fall back to another format; its
+    1536-wide down projections take Q4_K / Q6_K)."""
+    import llama_cpp
+
+    if dst.exists():
+        return
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.allow_requantize = True
+    params.nthread = 2
+    tmp = dst.with_name(dst.name + ".partial")
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
+    assert rc == 0, f"llama_model_quantize failed ({rc})"
+    tmp.rename(dst)
+
+
+@pytest.fixture(scope="session")
+def llama_target(engine_root) -> Path:
+    """The CI target's folder with a model.gguf for the llama.cpp engine (engine_backend llamacpp):
+    SmolLM2-135M in Q4_K_M. Its other files are the torch target's, which ignores model.gguf."""
+    import yaml
+
+    from ssd_tools.fetch_weights import fetch
+
+    cfg = yaml.safe_load((REPO / "engines" / "tiny.yaml").read_text())
+    src = fetch(cfg["sources"][cfg["engines"][TARGET]["source"]], REPO / "engines" / ".cache")
+    quantize_q4_k_m(src, engine_root / TARGET / "model.gguf")
+    return engine_root / TARGET
+
+
 @pytest.fixture(scope="session")
 def engines(engine_root):
     """In-process engines: target fp32, strong drafter bf16, weak drafter fp32, and the strong one
@@ -79,14 +111,16 @@ def codec(engine_root):
     return TextCodec(engine_root / TARGET)
 
 
-def start_tiny_server(engine_root, tmp_path_factory, **ssd_params: str):
+def start_tiny_server(engine_root, tmp_path_factory, target: dict | None = None, **ssd_params: str):
     """A real tritonserver on free loopback ports serving the SSD models on the CI engines: target
-    fp32 (exact greedy), drafter = the same weights in bf16; ``ssd_params`` add to the ssd model's."""
+    fp32 (exact greedy), drafter = the same weights in bf16; ``ssd_params`` add to the ssd model's,
+    ``target`` to the target's."""
     from ssd_tools.triton_launcher import TritonServer, render_repository
 
     repo = render_repository(tmp_path_factory.mktemp("repo") / "models", {
         "ssd": {"tokenizer": TARGET, "num_draft_tokens": "3", "fanout_budget": "6", **ssd_params},
-        "target": {"engine": TARGET, "cores": "0", "threads": "1", "wide_cores": "0,1", "dtype": "float32"},
+        "target": {"engine": TARGET, "cores": "0", "threads": "1", "wide_cores": "0,1", "dtype": "float32",
+                   **(target or {})},
         "drafter_primary": {"engine": TARGET, "cores": "1", "threads": "1", "wide_cores": "0,1", "dtype": "bfloat16"},
         "drafter_backup": {"cores": "1"},
     })

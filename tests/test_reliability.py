@@ -31,7 +31,8 @@ DEADLINE = 180  # seconds any wait may take before the test gives up (no timing 
 
 @pytest.fixture(scope="module")
 def srv(engine_root, tmp_path_factory):
-    s = start_tiny_server(engine_root, tmp_path_factory, kv_budget_tokens="2000")
+    s = start_tiny_server(engine_root, tmp_path_factory, kv_budget_tokens="2000", max_tokens_limit="2048",
+                          max_seq_len="4096")
     yield s
     s.stop()
 

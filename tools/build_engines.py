@@ -5,14 +5,17 @@ into engines/<name>/ (tools/convert_gguf.py). A source with `path:` is the user'
 local Hugging Face folder or GGUF file (tools/local_checkpoints.py): its architecture is checked
 before anything is converted, and the drafter's tokenizer against the target's once both are built.
 Idempotent: an engine folder whose engine.json records the same source checksum (a fingerprint for
-local sources), dtype and layer count is left alone. An engine's ``runtime`` (torch or openvino) and
-``ov_weights`` (bf16, f32 or int8) are recorded in its engine.json, where the serving factory reads them;
-the OpenVINO graph itself is built from model.safetensors when it loads.
+local sources), dtype and layer count is left alone. An engine's ``runtime`` (torch, openvino or
+llamacpp) and ``ov_weights`` (bf16, f32 or int8) are recorded in its engine.json, where the serving
+factory reads them; the OpenVINO graph itself is built from model.safetensors when it loads, and a
+llamacpp engine reads the source GGUF itself, linked into its folder as model.gguf.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -32,7 +35,25 @@ def engine_is_current(folder: Path, sha: str, dtype: str, keep_layers: int) -> b
     return m.get("source_sha256") == sha and m.get("dtype") == dtype and m.get("keep_layers", 0) == keep_layers
 
 
-RUNTIMES = ("torch", "openvino")
+RUNTIMES = ("torch", "openvino", "llamacpp")
+
+
+def link_gguf(folder: Path, spec: dict, gguf: Path | None) -> None:
+    """A llamacpp engine's weights: the source GGUF itself (a hard link where the file system allows)."""
+    if spec.get("runtime") != "llamacpp":
+        return
+    if gguf is None or gguf.suffix != ".gguf":
+        raise ValueError(f"engine {folder.name}: runtime llamacpp needs a GGUF source")
+    if spec.get("keep_layers"):
+        raise ValueError(f"engine {folder.name}: runtime llamacpp runs the whole GGUF; keep_layers needs torch")
+    dst = folder / "model.gguf"
+    if dst.exists() and dst.stat().st_size == gguf.stat().st_size:
+        return
+    dst.unlink(missing_ok=True)
+    try:
+        os.link(gguf, dst)
+    except OSError:
+        shutil.copyfile(gguf, dst)
 
 
 def record_runtime(folder: Path, spec: dict) -> None:
@@ -41,7 +62,8 @@ def record_runtime(folder: Path, spec: dict) -> None:
         raise ValueError(f"engine {folder.name}: runtime must be one of {RUNTIMES}, got {runtime!r}")
     meta_path = folder / "engine.json"
     meta = json.loads(meta_path.read_text())
-    wanted = {"runtime": runtime, "ov_weights": spec.get("ov_weights", "bf16")} if runtime == "openvino" else {}
+    wanted = ({"runtime": runtime, "ov_weights": spec.get("ov_weights", "bf16")} if runtime == "openvino"
+              else {"runtime": runtime} if runtime == "llamacpp" else {})
     if {k: meta.get(k) for k in ("runtime", "ov_weights") if k in meta} != wanted:
         meta = {k: v for k, v in meta.items() if k not in ("runtime", "ov_weights")} | wanted
         meta_path.write_text(json.dumps(meta, indent=2))
@@ -68,13 +90,18 @@ def build(config: Path, out_root: Path, cache: Path, dtype_override: str | None 
         folder = out_root / name
         print(f"[build] engine {i}/{len(engines)}: {name} ({spec['role']}, {dtype})", flush=True)
         source_id = fingerprint(local[name][0]) if name in local else src["sha256"]
+        is_hf = name in local and local[name][1] == "hf"
+        gguf = None if is_hf else local[name][0] if name in local else None
         if engine_is_current(folder, source_id, dtype, keep):
             print(f"[build] {folder} is up to date, nothing to do", flush=True)
-        elif name in local and local[name][1] == "hf":
+        elif is_hf:
             convert_hf_dir(local[name][0], folder, dtype, spec["role"], source_id)
         else:
-            gguf = local[name][0] if name in local else fetch(src, cache)
+            gguf = gguf or fetch(src, cache)
             convert(gguf, folder, dtype, spec["role"], source_id, keep)
+        if spec.get("runtime") == "llamacpp" and not is_hf and gguf is None:
+            gguf = fetch(src, cache)  # verified against its checksum again, or fetched if gone
+        link_gguf(folder, spec, gguf)
         record_runtime(folder, spec)
         built[name] = folder
     if all(pair):

@@ -22,10 +22,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 MODELS = {"target": "qwen2.5-coder-1.5b", "drafter": "qwen2.5-coder-0.5b"}
 # runtime label -> how the served configuration builds it (target: exact rows; drafter: its served options)
-RUNTIMES = ("torch", "torch-bf16", "openvino-bf16", "openvino-f32", "openvino-int8")
+# llamacpp: the target only (the GGUF file, model.gguf in the engine folder; no tree rows)
+RUNTIMES = ("torch", "torch-bf16", "openvino-bf16", "openvino-f32", "openvino-int8", "llamacpp")
 
 
-def _engine(runtime: str, folder: Path, role: str, threads: int):
+def _engine(runtime: str, folder: Path, role: str, threads: int, streams: int, max_len: int):
+    if runtime == "llamacpp":
+        from ssd.engine.llamacpp_engine import LlamaCppEngine
+        return LlamaCppEngine(folder, threads=threads, exact=role == "target", max_sequences=streams, max_len=max_len)
     if runtime == "torch":
         from ssd.engine.engine import TorchEngine
         if role == "target":
@@ -47,15 +51,16 @@ def measure(runtime: str, folder: Path, role: str, threads: int, context: int, k
     from ssd.engine.engine import ExtendCall, TreeCall
 
     t0 = time.perf_counter()
-    eng = _engine(runtime, folder, role, threads)
+    eng = _engine(runtime, folder, role, threads, batch, context + k + tree + 8)
     load_s = time.perf_counter() - t0
     rss = _rss_gb()
     prompts = [[1000 + (37 * i + 11 * j) % 20000 for j in range(context)] for i in range(batch)]
     eng.extend([ExtendCall(f"s{i}", p, 1) for i, p in enumerate(prompts)])
     extra = list(range(200, 200 + k + 1))
 
-    def timed(fn) -> float:
-        fn()  # warm-up (and shapes seen once)
+    def timed(fn) -> float | None:
+        if fn() is None:  # warm-up (and shapes seen once); None: not a forward this engine runs
+            return None
         out = []
         for _ in range(reps):
             t = time.perf_counter()
@@ -69,8 +74,10 @@ def measure(runtime: str, folder: Path, role: str, threads: int, context: int, k
         return lambda: eng.extend([ExtendCall(f"s{i}", prompts[i] + extra[:n], n) for i in range(n_seqs)])
 
     def tree_rows():
+        if not hasattr(eng, "tree"):
+            return None
         c = len(prompts[0])
-        eng.tree([TreeCall("s0", [300 + j for j in range(tree)], [c] * tree, [c] * tree, [-1] * tree)])
+        return eng.tree([TreeCall("s0", [300 + j for j in range(tree)], [c] * tree, [c] * tree, [-1] * tree)])
 
     figures = {"1 row": timed(rows(1, 1)), f"{k + 1} rows (verify)": timed(rows(1, k + 1)),
                f"{tree} tree rows": timed(tree_rows), f"{batch} seqs x 1 row": timed(rows(batch, 1)),
@@ -103,6 +110,8 @@ def main() -> None:
         for runtime in a.runtimes:
             if runtime == "openvino-int8" and role == "target":
                 continue  # int8 rows are not batch-invariant: never an exact target
+            if runtime == "llamacpp" and role != "target":
+                continue
             for threads in a.threads:
                 cmd = [sys.executable, __file__, "--one", runtime, role, str(threads), "--engines", str(a.engines),
                        "--context", str(a.context), "--k", str(a.k), "--tree", str(a.tree),
@@ -121,7 +130,7 @@ def main() -> None:
         print("|---|---|---|" + "---|" * (len(cols) + 1))
         for r in results:
             print(f"| {MODELS[r['role']]} | {r['runtime']} | {r['threads']} | "
-                  + " | ".join(str(r["ms"][c]) for c in cols) + f" | {r['rss_gb']} |")
+                  + " | ".join("-" if r["ms"][c] is None else str(r["ms"][c]) for c in cols) + f" | {r['rss_gb']} |")
 
 
 if __name__ == "__main__":

@@ -92,6 +92,31 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
+def same_bits_at(engine, n: int) -> bool:
+    """Whether ``engine``'s extend forwards give the same bits at ``n`` threads as at its own count:
+    one of each shape the target runs (a prefill, one row, a verify, a batch of two sequences)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, engine.vocab_size, (48,), generator=g).tolist()
+    a, b = "__threads_probe_a", "__threads_probe_b"
+
+    def forwards() -> list[torch.Tensor]:
+        out = [engine.extend([ExtendCall(a, ids[:40], 1)])[0], engine.extend([ExtendCall(a, ids[:41], 1)])[0],
+               engine.extend([ExtendCall(a, ids[:46], 5)])[0]]
+        out += engine.extend([ExtendCall(a, ids[:48], 2), ExtendCall(b, ids[5:12], 3)])
+        engine.release(a)
+        engine.release(b)
+        return out
+
+    try:
+        ref = forwards()
+        engine.set_threads(n)
+        got = forwards()
+    finally:
+        engine.set_threads(engine.threads)
+        engine.take_timing()
+    return all(torch.equal(x, y) for x, y in zip(ref, got))
+
+
 WEIGHT_QUANT = ("", "int8", "int8_full")
 
 
@@ -155,31 +180,8 @@ class TorchEngine:
         if not self.exact or n == self.threads:
             return True
         if n not in self._thread_check:
-            self._thread_check[n] = self._same_bits_at(n)
+            self._thread_check[n] = same_bits_at(self, n)
         return self._thread_check[n]
-
-    def _same_bits_at(self, n: int) -> bool:
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(10, self.vocab_size, (48,), generator=g).tolist()
-        a, b = "__threads_probe_a", "__threads_probe_b"
-
-        def forwards() -> list[torch.Tensor]:
-            out = [self.extend([ExtendCall(a, ids[:40], 1)])[0], self.extend([ExtendCall(a, ids[:41], 1)])[0],
-                   self.extend([ExtendCall(a, ids[:46], 5)])[0]]
-            out += self.extend([ExtendCall(a, ids[:48], 2), ExtendCall(b, ids[5:12], 3)])
-            self.release(a)
-            self.release(b)
-            return out
-
-        own = self.threads
-        try:
-            ref = forwards()
-            torch.set_num_threads(n)
-            got = forwards()
-        finally:
-            torch.set_num_threads(own)
-            self.timing.clear()
-        return all(torch.equal(x, y) for x, y in zip(ref, got))
 
     def _timed_forward(self, batch: list, exact: bool) -> list[torch.Tensor]:
         t0 = time.perf_counter()

@@ -1,9 +1,10 @@
 """Builds the worker an engine model serves, from its config parameters (no Triton imports here).
 
 `engine_backend` picks the runtime: `torch` (the CPU/GPU torch engine, every role), `openvino`
-(the CPU OpenVINO engine, every role) or `tensorrt_llm` (the target only: TensorRT-LLM verifies
-drafts natively with draft_tokens_external; speculation needs tree rows over a shared prefix, which
-the torch and OpenVINO engines run). Unset, the engine folder's own `runtime` (engine.json, from
+(the CPU OpenVINO engine, every role), `llamacpp` (the CPU target on llama.cpp, from the GGUF file)
+or `tensorrt_llm` (the target only: TensorRT-LLM verifies drafts natively with
+draft_tokens_external). Speculation needs tree rows over a shared prefix, which the torch and
+OpenVINO engines run, so drafters take one of those. Unset, the engine folder's own `runtime` (engine.json, from
 engines/*.yaml) decides, else torch.
 `static_kv_len` > 0 gives the torch engine a static KV pool of that many tokens per sequence and
 fixed-shape decode / tree steps, captured as CUDA graphs on a GPU (`cuda_graphs`, default true
@@ -11,7 +12,7 @@ there): the GPU drafter (engine/static_engine.py).
 """
 from __future__ import annotations
 
-BACKENDS = ("torch", "openvino", "tensorrt_llm")
+BACKENDS = ("torch", "openvino", "llamacpp", "tensorrt_llm")
 
 
 def build_worker(role: str, params: dict[str, str], engine_dir: str | None):
@@ -21,10 +22,10 @@ def build_worker(role: str, params: dict[str, str], engine_dir: str | None):
     backend = params.get("engine_backend") or _folder_runtime(engine_dir) or "torch"
     if backend not in BACKENDS:
         raise ValueError(f"parameter 'engine_backend' must be one of {BACKENDS}, got {backend!r}")
+    if backend in ("tensorrt_llm", "llamacpp") and role != "target":
+        raise ValueError(f"parameter 'engine_backend': {backend} serves the target only; the {role} "
+                         "speculates with tree rows, which needs engine_backend 'torch' or 'openvino'")
     if backend == "tensorrt_llm":
-        if role != "target":
-            raise ValueError(f"parameter 'engine_backend': tensorrt_llm serves the target only; the {role} "
-                             "speculates with tree rows, which needs engine_backend 'torch' or 'openvino'")
         from ..engine.meta import trtllm_engine_dir
         from ..engine.trtllm_engine import TrtllmEngine
         from .trtllm_target import TrtllmTargetWorker
@@ -33,6 +34,11 @@ def build_worker(role: str, params: dict[str, str], engine_dir: str | None):
     threads = int(params.get("threads") or 0) or None
     exact = params.get("batch_invariant", "true").lower() == "true"
     max_sequences = int(params.get("max_sequences") or 64)
+    if backend == "llamacpp":
+        from ..engine.llamacpp_engine import LlamaCppEngine
+        return _worker(role, LlamaCppEngine(engine_dir, threads=threads, exact=exact,
+                                            max_sequences=int(params.get("max_sequences") or 16),
+                                            max_len=int(params.get("max_len") or 4096)))
     if backend == "openvino":
         from ..engine.ov_engine import OpenVinoEngine
         weights = params.get("ov_weights") or _folder_meta(engine_dir).get("ov_weights") or "bf16"

@@ -1,0 +1,225 @@
+"""The llama.cpp engine: the target's extend contract (prefix reuse, rollback, per-position logits,
+batches of sequences, threads per call) on llama.cpp, reading the GGUF file the engine was built from
+(its 4-bit weights as published, memory-mapped).
+
+Why these settings (docs/cpu_engine.md has the measurements):
+- A row's logits must not depend on how many rows share its forward (a verify of K + 1 rows must
+  give the bits of K + 1 one-row steps). llama.cpp picks its kernel by the number of rows in a
+  product: with repacked weights (interleaved for SIMD) a GEMV for fewer than 4 rows and a 4-row GEMM
+  above; without, a row-by-row dot product below 8 rows and tiled kernels from 8 on; they round
+  differently. So an exact engine runs the rows whose logits it returns (every decode and verify
+  row, hence every generated token) in forwards of at most `logit_rows` rows, all sequences'
+  together: the largest of LOGIT_ROW_CHOICES for which a load-time check finds the rows' logits equal
+  to one-row forwards (3 with repacked weights). One kernel for every such row, at 1 and 2 threads.
+- A call's context rows (a prompt's, before its last token) run per sequence in forwards of up to
+  N_BATCH rows, where the GEMM kernels make a prefill several times cheaper a row; they are the same
+  rows in the same forwards in every mode and batch, so they too give the same bits.
+- The library is built without the llamafile GEMMs (tools/llamacpp/install_llama_cpp_python.sh).
+- Attention sums over a sequence's KV cells in SIMD lanes picked by the cell's index, so a sequence
+  must occupy the same cells whatever else is cached: one KV stream per sequence (kv_unified off),
+  allocated once: max_sequences x (max_len + DRAFT_HEADROOM) x the model's KV bytes per token.
+- Flash attention off: its CPU kernel takes a tiled path for larger batches.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .engine import ExtendCall, common_prefix, same_bits_at
+from .meta import engine_meta
+
+GGUF_NAME = "model.gguf"
+N_BATCH = 512  # context rows per llama_decode: longer prefills run in chunks
+LOGIT_ROW_CHOICES = (7, 3, 1)  # logit rows per llama_decode: below the tiled kernels (8), the 4-row GEMM (4)
+DRAFT_HEADROOM = 64  # cells past max_len: a verify's draft rows may run past the longest sequence
+
+
+def _llama():
+    import llama_cpp
+    from llama_cpp import _logger
+
+    _logger.set_verbose(os.environ.get("SSD_LLAMA_VERBOSE", "") == "1")
+    return llama_cpp
+
+
+@dataclass
+class Slot:
+    index: int  # the llama.cpp sequence id (its KV stream)
+    tokens: list[int] = field(default_factory=list)  # tokens whose KV the stream holds
+    last_used: float = 0.0
+
+
+class LlamaCppEngine:
+    def __init__(self, folder: str | os.PathLike, threads: int | None = None, exact: bool = True,
+                 max_sequences: int = 16, max_len: int = 4096):
+        folder = Path(folder)
+        gguf = folder / GGUF_NAME
+        if not gguf.exists():
+            raise FileNotFoundError(f"{gguf}: a llamacpp engine needs the GGUF file (build_engines.sh with "
+                                    "`runtime: llamacpp` links it there)")
+        L = self.L = _llama()
+        L.llama_backend_init()
+        mp = L.llama_model_default_params()
+        mp.n_gpu_layers = 0
+        mp.use_mmap = True
+        mp.use_extra_bufts = True  # repacked weights: a faster one-row GEMV and prefill GEMM
+        self.model = L.llama_model_load_from_file(str(gguf).encode(), mp)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf}")
+        self.vocab_size = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+        self.threads = int(threads or 1)
+        self.max_sequences, self.max_len = int(max_sequences), int(max_len)
+        cp = L.llama_context_default_params()
+        cp.n_ctx = self.max_sequences * (self.max_len + DRAFT_HEADROOM)
+        cp.n_batch = cp.n_ubatch = N_BATCH
+        cp.n_seq_max = self.max_sequences
+        cp.kv_unified = False
+        cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cp.n_threads = cp.n_threads_batch = self.threads
+        cp.no_perf = True
+        self.ctx = L.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not create a context of {self.max_sequences} x {self.max_len} "
+                               "tokens (max_sequences x max_len): lower them")
+        self.memory = L.llama_get_memory(self.ctx)
+        self.batch = L.llama_batch_init(N_BATCH, 0, 1)
+        with open(folder / "config.json") as f:
+            hf = json.load(f)
+        eos = hf.get("eos_token_id", [])
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | set(engine_meta(folder).get("eos_token_ids", []))
+        self.exact = exact
+        self.folder = folder
+        self.sequences: dict[str, Slot] = {}
+        self.free = list(range(self.max_sequences))
+        self.timing: list[tuple[int, float]] = []
+        self._thread_check: dict[int, bool] = {}
+        self.logit_rows = N_BATCH
+        if exact:
+            self.logit_rows = next(n for n in LOGIT_ROW_CHOICES if n == 1 or self._rows_keep_bits(n))
+
+    # -- threads -------------------------------------------------------------------------------------
+    def set_threads(self, n: int) -> None:
+        self.L.llama_set_n_threads(self.ctx, n, n)
+
+    def allows_threads(self, n: int) -> bool:
+        """As TorchEngine.allows_threads: drafts always; an exact engine only if its rows keep their
+        bits at ``n`` threads (llama.cpp splits a product's outputs, never a sum, over threads, but
+        this is checked, once per count, rather than assumed)."""
+        if not self.exact or n == self.threads:
+            return True
+        if n not in self._thread_check:
+            self._thread_check[n] = same_bits_at(self, n)
+        return self._thread_check[n]
+
+    def _rows_keep_bits(self, n: int) -> bool:
+        """Whether n rows in one forward get the logits they get one at a time (llama.cpp's kernel
+        choice by row count is internal to the library: checked, not assumed)."""
+        ids = [(7919 * i) % (self.vocab_size - 10) + 10 for i in range(16 + n)]
+        probe = "__rows_probe"
+        self.logit_rows = 1
+        self.extend([ExtendCall(probe, ids[:16], 1)])
+        one = torch.cat([self.extend([ExtendCall(probe, ids[: 16 + i + 1], 1)])[0] for i in range(n)])
+        self.release(probe)
+        self.logit_rows = n
+        self.extend([ExtendCall(probe, ids[:16], 1)])
+        together = self.extend([ExtendCall(probe, ids, n)])[0]
+        self.release(probe)
+        self.timing.clear()
+        return torch.equal(one, together)
+
+    # -- sequences -----------------------------------------------------------------------------------
+    def _slot(self, seq_id: str, keep: set[str]) -> Slot:
+        s = self.sequences.get(seq_id)
+        if s is None:
+            if not self.free:  # evict the least recently used sequence not in this call
+                candidates = [k for k in self.sequences if k not in keep]
+                if not candidates:
+                    raise RuntimeError(f"more than max_sequences ({self.max_sequences}) sequences in one call")
+                self.release(min(candidates, key=lambda k: self.sequences[k].last_used))
+            s = Slot(self.free.pop())
+            self.sequences[seq_id] = s
+        s.last_used = time.monotonic()
+        return s
+
+    def release(self, seq_id: str) -> None:
+        s = self.sequences.pop(seq_id, None)
+        if s is not None:
+            self.L.llama_memory_seq_rm(self.memory, s.index, 0, -1)
+            self.free.append(s.index)
+
+    def cached_tokens(self, seq_id: str) -> list[int]:
+        s = self.sequences.get(seq_id)
+        return list(s.tokens) if s else []
+
+    def truncate(self, seq_id: str, length: int) -> None:
+        s = self.sequences.get(seq_id)
+        if s is not None and length < len(s.tokens):
+            self.L.llama_memory_seq_rm(self.memory, s.index, length, -1)
+            del s.tokens[length:]
+
+    def take_timing(self) -> list[tuple[int, float]]:
+        out, self.timing = self.timing, []
+        return out
+
+    # -- forwards ------------------------------------------------------------------------------------
+    def extend(self, calls: list[ExtendCall]) -> list[torch.Tensor]:
+        """Makes each sequence's cache cover ``tokens``; returns [n_logits, V] float32 logits each."""
+        if len(calls) > self.max_sequences:  # more sequences than KV streams: in groups
+            return [x for i in range(0, len(calls), self.max_sequences)
+                    for x in self.extend(calls[i:i + self.max_sequences])]
+        keep = {c.seq_id for c in calls}
+        context, logit_rows = [], []  # context: per sequence; rows: (call index, slot, position, token, logits?)
+        for i, c in enumerate(calls):
+            if not c.tokens:
+                raise ValueError("tokens must not be empty")
+            if len(c.tokens) > self.max_len + DRAFT_HEADROOM:
+                raise ValueError(f"sequence length {len(c.tokens)} exceeds the engine's max_len {self.max_len} "
+                                 f"(+ {DRAFT_HEADROOM} draft rows)")
+            s = self._slot(c.seq_id, keep)
+            n_logits = max(1, min(c.n_logits, len(c.tokens)))
+            first_logit = len(c.tokens) - n_logits
+            start = min(common_prefix(s.tokens, c.tokens), first_logit)
+            self.L.llama_memory_seq_rm(self.memory, s.index, start, -1)
+            s.tokens = list(c.tokens[:start])
+            if start < first_logit:
+                context.append([(i, s, p, c.tokens[p], False) for p in range(start, first_logit)])
+            logit_rows += [(i, s, p, c.tokens[p], True) for p in range(first_logit, len(c.tokens))]
+        out: list[list[np.ndarray]] = [[] for _ in calls]
+        for rows in context:  # one sequence's context rows at a time: their forwards never depend on the batch
+            for lo in range(0, len(rows), N_BATCH):
+                self._decode(rows[lo:lo + N_BATCH], out)
+        t0 = time.perf_counter()
+        for lo in range(0, len(logit_rows), self.logit_rows):
+            self._decode(logit_rows[lo:lo + self.logit_rows], out)
+        # the cost curve prices a call's decode and verify rows; context rows (prefills) take other kernels
+        self.timing.append((len(logit_rows), time.perf_counter() - t0))
+        for c in calls:
+            self.sequences[c.seq_id].tokens = list(c.tokens)
+        return [torch.from_numpy(np.stack(o)) for o in out]
+
+    def _decode(self, rows: list, out: list[list[np.ndarray]]) -> None:
+        b, L = self.batch, self.L
+        for j, (_, s, pos, tok, logits) in enumerate(rows):
+            b.token[j], b.pos[j], b.n_seq_id[j], b.logits[j] = tok, pos, 1, int(logits)
+            b.seq_id[j][0] = s.index
+        b.n_tokens = len(rows)
+        rc = L.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed ({rc}) on {len(rows)} rows")
+        for j, (i, *_rest, logits) in enumerate(rows):
+            if logits:
+                out[i].append(np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, j), shape=(self.vocab_size,)).copy())
+
+    def __del__(self):
+        try:
+            self.L.llama_batch_free(self.batch)
+            self.L.llama_free(self.ctx)
+            self.L.llama_model_free(self.model)
+        except Exception:
+            pass

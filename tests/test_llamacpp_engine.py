@@ -1,0 +1,199 @@
+"""The llama.cpp target engine (real llama.cpp from the pinned llama-cpp-python, built without
+llamafile and repacking; SmolLM2-135M requantized to Q4_K_M, the default target's format).
+
+A row's logits are bit-identical whatever shares its call (1 to 24 rows: below and above the row
+count where llama.cpp's tiled K-quant kernels take over, other sequences, prefills) and at 1 or 2
+threads; rollback and eviction recompute the same bits; greedy SD and SSD with torch drafters
+give the engine's own greedy AR tokens, in process and served by tritonserver.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import PROMPTS, TARGET, start_tiny_server
+
+N_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def llama(llama_target):
+    from ssd.engine.llamacpp_engine import LlamaCppEngine
+
+    return LlamaCppEngine(llama_target, threads=1, max_sequences=4, max_len=512)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(codec):
+    return codec.encode_prompt(PROMPTS[5])
+
+
+def _one_at_a_time(engine, seq, tokens, start):
+    from ssd.engine.engine import ExtendCall
+
+    engine.release(seq)
+    engine.extend([ExtendCall(seq, tokens[:start], 1)])
+    return torch.cat([engine.extend([ExtendCall(seq, tokens[: i + 1], 1)])[0] for i in range(start, len(tokens))])
+
+
+def test_logits_follow_the_torch_engine(llama, engines, prompt_ids):
+    """The same model (4-bit weights against the torch engine's dequantized Q4_1): close, same shape."""
+    from ssd.engine.engine import ExtendCall
+
+    ours = llama.extend([ExtendCall("m", prompt_ids, 4)])[0]
+    ref = engines["target"].extend([ExtendCall("m", prompt_ids, 4)])[0]
+    assert ours.shape == ref.shape and ours.dtype == torch.float32
+    assert torch.corrcoef(torch.stack([ours.flatten(), ref.flatten()]))[0, 1] > 0.98
+
+
+def test_row_logits_do_not_depend_on_row_count_batch_or_threads(llama, prompt_ids):
+    from ssd.engine.engine import ExtendCall
+
+    start = len(prompt_ids) - 24
+    ref = _one_at_a_time(llama, "ref", prompt_ids, start)
+    for chunk in (2, 3, 4, 6, 8, 12):  # verify-sized forwards; from 8 rows llama.cpp would tile
+        llama.release("c")
+        llama.extend([ExtendCall("c", prompt_ids[:start], 1)])
+        rows = [llama.extend([ExtendCall("c", prompt_ids[: i + chunk], chunk)])[0]
+                for i in range(start, len(prompt_ids), chunk)]
+        assert torch.equal(torch.cat(rows), ref), f"{chunk}-row forwards changed a row's logits"
+    # the same rows batched with other sequences of other lengths, one of them a prefill
+    llama.release("b")
+    llama.extend([ExtendCall("b", prompt_ids[:start], 1)])
+    out = llama.extend([ExtendCall("o1", prompt_ids[3:20], 2), ExtendCall("b", prompt_ids, 24),
+                        ExtendCall("o2", prompt_ids[:7], 1)])
+    assert [o.shape[0] for o in out] == [2, 24, 1]
+    assert torch.equal(out[1], ref)
+    # a short prompt's context rows (6: the vec_dot kernel) beside a long prompt's (the tiled one)
+    llama.release("o2")
+    assert torch.equal(llama.extend([ExtendCall("o2", prompt_ids[:7], 1)])[0], out[2])
+    assert llama.allows_threads(2)  # its own check: the same bits at 2 threads
+    llama.set_threads(2)
+    try:
+        assert torch.equal(_one_at_a_time(llama, "ref2", prompt_ids, start), ref)
+    finally:
+        llama.set_threads(1)
+
+
+def test_the_load_check_sees_the_kernel_switch(llama):
+    """The engine runs as many rows a forward as its load-time check allowed; one row more, where
+    llama.cpp switches kernels, fails the same check (the negative control)."""
+    from ssd.engine.llamacpp_engine import LOGIT_ROW_CHOICES
+
+    own = llama.logit_rows
+    assert own in LOGIT_ROW_CHOICES and own > 1
+    try:
+        assert not llama._rows_keep_bits(own + 1)
+    finally:
+        llama.logit_rows = own
+
+
+def test_rollback_and_eviction_recompute_the_same_bits(llama, prompt_ids):
+    from ssd.engine.engine import ExtendCall
+
+    full = llama.extend([ExtendCall("r", prompt_ids, 6)])[0]
+    wrong = prompt_ids[:-3] + [t ^ 1 for t in prompt_ids[-3:]]
+    llama.extend([ExtendCall("r", wrong, 3)])  # a rejected draft in the cache
+    assert llama.cached_tokens("r") == wrong
+    assert torch.equal(llama.extend([ExtendCall("r", prompt_ids, 6)])[0], full)
+    llama.truncate("r", len(prompt_ids) - 5)
+    assert llama.cached_tokens("r") == prompt_ids[:-5]
+    assert torch.equal(llama.extend([ExtendCall("r", prompt_ids, 6)])[0], full)
+    for i in range(4):  # four more sequences than the engine's 4 streams: "r" is evicted
+        llama.extend([ExtendCall(f"e{i}", prompt_ids[:10 + i], 1)])
+    assert llama.cached_tokens("r") == []
+    assert torch.equal(llama.extend([ExtendCall("r", prompt_ids, 6)])[0], full)
+    out = llama.extend([ExtendCall(f"g{i}", prompt_ids[:20 + i], 1) for i in range(6)])  # 6 > 4: in groups
+    assert len(out) == 6
+    with pytest.raises(ValueError, match="max_len"):
+        llama.extend([ExtendCall("long", list(range(512 + 65)), 1)])
+
+
+def _client(target, drafter):
+    from ssd.decoding.local_client import LocalClient
+    from ssd.workers.drafter import DrafterWorker
+    from ssd.workers.fast_backup import NgramWorker
+    from ssd.workers.target import TargetWorker
+
+    return LocalClient(TargetWorker(target), DrafterWorker(drafter), NgramWorker())
+
+
+def _greedy(client, prompt, cfg):
+    from ssd.algorithm.sampling import SamplingParams
+    from ssd.decoding.generator import Generation
+
+    g = Generation(client, "s", list(prompt), SamplingParams(), 0, cfg, None)
+    return asyncio.run(g.take(N_TOKENS))
+
+
+@pytest.mark.parametrize("drafter,cfg", [
+    ("weak", dict(mode="sd", k=4)), ("int8_full", dict(mode="sd", k=7)),
+    ("weak", dict(mode="ssd", k=3, fanout_budget=6, step_aside=False)),
+    ("int8_full", dict(mode="ssd", k=4)),
+], ids=["sd-weak", "sd-k7", "ssd-weak", "ssd-policy"])
+def test_greedy_sd_and_ssd_equal_ar(llama, engines, codec, drafter, cfg):
+    from ssd.decoding.generator import DecodeConfig
+
+    client = _client(llama, engines[drafter])
+    for prompt in PROMPTS[:3]:
+        ids = codec.encode_prompt(prompt)
+        ref = _greedy(client, ids, DecodeConfig(mode="ar"))
+        assert _greedy(client, ids, DecodeConfig(**cfg)) == ref, f"{cfg} diverged on {prompt!r}"
+
+
+def test_factory_reads_the_runtime_and_serves_the_target_only(llama_target, tmp_path):
+    from ssd.engine.llamacpp_engine import LlamaCppEngine
+    from ssd.workers.factory import build_worker
+
+    folder = tmp_path / "t"
+    shutil.copytree(llama_target, folder, ignore=shutil.ignore_patterns("model.safetensors"))
+    meta = json.loads((folder / "engine.json").read_text())
+    (folder / "engine.json").write_text(json.dumps(meta | {"runtime": "llamacpp"}))
+    worker = build_worker("target", {"threads": "1", "max_sequences": "2", "max_len": "256"}, str(folder))
+    assert isinstance(worker.engine, LlamaCppEngine) and worker.engine.max_len == 256
+    with pytest.raises(ValueError, match="target only"):
+        build_worker("drafter", {"threads": "1"}, str(folder))
+    (folder / "model.gguf").unlink()
+    with pytest.raises(FileNotFoundError, match="model.gguf"):
+        LlamaCppEngine(folder)
+
+
+def test_build_links_the_gguf_for_a_llamacpp_engine(llama_target, tmp_path):
+    from ssd_tools.build_engines import link_gguf, record_runtime
+
+    (tmp_path / "engine.json").write_text(json.dumps({"dtype": "float32"}))
+    src = llama_target / "model.gguf"
+    link_gguf(tmp_path, {"runtime": "llamacpp"}, src)
+    record_runtime(tmp_path, {"runtime": "llamacpp"})
+    assert (tmp_path / "model.gguf").read_bytes()[:4] == b"GGUF"
+    assert json.loads((tmp_path / "engine.json").read_text())["runtime"] == "llamacpp"
+    with pytest.raises(ValueError, match="GGUF source"):
+        link_gguf(tmp_path, {"runtime": "llamacpp"}, None)
+    with pytest.raises(ValueError, match="keep_layers"):
+        link_gguf(tmp_path, {"runtime": "llamacpp", "keep_layers": 6}, src)
+
+
+@pytest.fixture(scope="module")
+def llama_server(llama_target, engine_root, tmp_path_factory):
+    srv = start_tiny_server(engine_root, tmp_path_factory,
+                            target={"engine_backend": "llamacpp", "max_sequences": "8", "max_len": "1024"})
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_served_greedy_equals_ar_on_the_llamacpp_target(llama_server, mode):
+    from test_server import _post
+
+    for prompt in PROMPTS[:2]:
+        outs = {}
+        for m in ("ar", mode):
+            body = {"text_input": prompt, "max_tokens": N_TOKENS, "mode": m}
+            status, text = _post(llama_server, body)
+            assert status == 200, text
+            outs[m] = json.loads(text)["output_ids"]
+        assert outs[mode] == outs["ar"], (mode, prompt)
