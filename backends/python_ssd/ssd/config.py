@@ -76,10 +76,12 @@ class ServerConfig:
     force_backup: str = ""  # neural | fast: every SSD round uses it ("": the scheduler decides)
     force_mode: str = ""  # one of CHOICE_NAMES pins every ssd round ("": the scheduler decides)
     default_max_tokens: int = 128
-    max_tokens_limit: int = 2048
-    max_seq_len: int = 4096
+    # the llama.cpp target allocates its KV at load for max_sequences x max_len (its own parameters,
+    # 16 x 2048 by default): these stay within them
+    max_tokens_limit: int = 1024
+    max_seq_len: int = 2048
     coalesce_window_ms: float = 50.0  # longest a call waits for the batch's other calls (0: no barrier)
-    max_active_requests: int = 32
+    max_active_requests: int = 16
     # K is lowered until batch x (K + 1) verify rows fit: the batch-invariant CPU target runs larger
     # forwards as several GEMM tiles (0: no cap)
     max_verify_rows: int = 32

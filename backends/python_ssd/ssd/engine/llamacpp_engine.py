@@ -91,6 +91,8 @@ class LlamaCppEngine:
         self.batch = L.llama_batch_init(N_BATCH, 0, 1)
         with open(folder / "config.json") as f:
             hf = json.load(f)
+        if hf.get("vocab_size", self.vocab_size) != self.vocab_size:  # the drafter's logits have the config's width
+            raise ValueError(f"{gguf}: {self.vocab_size} tokens, but config.json says vocab_size {hf['vocab_size']}")
         eos = hf.get("eos_token_id", [])
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | set(engine_meta(folder).get("eos_token_ids", []))
         self.exact = exact
