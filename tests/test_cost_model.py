@@ -15,17 +15,21 @@ def test_step_cost_is_flat_then_linear():
     cost = StepCost()
     assert cost(8) == 0.0 and not cost.known
     cost.observe(8, 0.1)
+    assert cost(2) == cost(32) == 0.1 and abs(cost(64) - 0.2) < 1e-9  # one bucket: flat to flat_rows
     cost.observe(128, 1.0)
     assert cost(2) == 0.1  # below every measurement: weight-bound, flat
     assert abs(cost(68) - 0.55) < 1e-9  # between: linear interpolation
-    assert abs(cost(256) - 2.0) < 1e-9  # beyond: linear in rows
+    assert abs(cost(256) - (1.0 + 0.9 / 120 * 128)) < 1e-9  # beyond: the last segment's cost per row
     cost.observe(9, 0.3)  # same bucket as 8: a running mean, not a new point
     assert len(cost.buckets) == 2 and 0.1 < cost(8.2) < 0.3
-    small = StepCost()
-    small.observe(1, 0.08)
-    small.observe(2, 0.1)
-    # beyond only small forwards: weight-bound up to flat_rows, then linear from there
-    assert small(5) == small(32) == 0.1 and abs(small(64) - 0.2) < 1e-9
+    flat = StepCost()  # a bf16 engine: small forwards cost about one row
+    flat.observe(1, 0.089)
+    flat.observe(2, 0.089)
+    assert flat(5) == flat(64) == 0.089
+    rowwise = StepCost()  # an exact 4-bit target: every row computes (1 row 27 ms, 5 rows 107 ms)
+    rowwise.observe(1, 0.027)
+    rowwise.observe(5, 0.107)
+    assert abs(rowwise(80) - (0.107 + 0.02 * 75)) < 1e-9  # 16 sequences x 5 verify rows: linear
 
 
 def test_ssd_steps_aside_as_the_batch_grows():

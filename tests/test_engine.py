@@ -255,7 +255,8 @@ def test_thread_counts_switch_only_where_rows_keep_their_bits(engine_root, codec
     """A wide round asks an engine for more threads. An exact target takes them only if its rows
     come out with the same bits (checked on this machine); then its logits at 2 threads equal
     those at 1 on a prompt the check never saw. A drafter (not exact) takes any count. The
-    placement moves the computing thread to the wide cores and back."""
+    placement checks the wide cores' count at load and moves the computing thread to the wide
+    cores and back."""
     import os
 
     from ssd.engine.engine import ExtendCall, TorchEngine
@@ -280,6 +281,8 @@ def test_thread_counts_switch_only_where_rows_keep_their_bits(engine_root, codec
         core, wide = min(before), sorted(before)[:2]
         os.sched_setaffinity(0, {core})  # as an engine process is: pinned to its own core at start
         place = Placement(target, str(core), ",".join(map(str, wide)), "1")
+        assert list(place.checked) == [2]  # checked at load, not timed as the first wide round
+        assert os.sched_getaffinity(0) == {core}
         used = place.use(2)
         assert used == (2 if target.allows_threads(2) else 1)
         assert torch.get_num_threads() == used

@@ -30,8 +30,11 @@ from .rounds import Choice, RoundRecord
 @dataclass
 class StepCost:
     """One engine's seconds per forward as a function of rows: per-bucket (powers of two) running
-    means joined piecewise-linearly. A forward is flat while it reads weights and linear once it
-    computes, which is all it takes to compare choices that put different rows through one engine."""
+    means joined piecewise-linearly, and past the largest measured bucket continued at the last
+    segment's marginal cost per row. A forward is flat while it reads weights and linear once it
+    computes (an exact 4-bit target computes from the first row on), which is all it takes to
+    compare choices that put different rows through one engine. With one bucket measured, it is
+    taken as flat up to ``flat_rows``."""
 
     flat_rows: int = 32  # rows a forward may hold at one row's cost when nothing larger was measured
     alpha: float = 0.2
@@ -58,6 +61,9 @@ class StepCost:
             if rows <= r1:
                 return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
         r, s = pts[-1]
+        if len(pts) > 1:  # past the largest measured forward: the last measured rows' marginal cost
+            r0, s0 = pts[-2]
+            return s + max(0.0, (s - s0) / (r - r0)) * (rows - r)
         return s * max(1.0, rows / max(r, self.flat_rows))
 
 

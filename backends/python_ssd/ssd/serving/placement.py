@@ -37,6 +37,11 @@ class Placement:
         self.current = self.base
         self.enabled = hasattr(engine, "set_threads") and len(self.wide_cores) > len(self.cores)
         self.checked: dict[int, bool] = {}  # thread count -> the engine allows it (checked once)
+        if self.enabled and len(self.wide_cores) > self.base:
+            # the wide rounds' usual count (one thread a wide core) is checked at load: checked at the
+            # first wide round, the check's forwards would be timed as that round's and teach the
+            # scheduler a wide round many times slower than it is
+            self._allowed(len(self.wide_cores))
         if self.enabled and self.cores:  # the process started on the wide cores (roles.pin_process)
             pin_all_threads(self.cores)
 
