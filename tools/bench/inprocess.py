@@ -27,10 +27,8 @@ from ssd.algorithm.sampling import SamplingParams
 from ssd.config import ServerConfig
 from ssd.decoding.generator import DecodeConfig, Generation, SharedState
 from ssd.decoding.local_client import LocalClient
-from ssd.engine.engine import TorchEngine
-from ssd.workers.drafter import DrafterWorker
+from ssd.workers.factory import build_worker
 from ssd.workers.fast_backup import NgramWorker
-from ssd.workers.target import TargetWorker
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,10 +39,11 @@ def model_params(model: str) -> dict[str, str]:
     return dict(_PARAM.findall((REPO / "model_repository" / model / "config.pbtxt").read_text()))
 
 
-def load_engine(folder: Path, p: dict[str, str]) -> TorchEngine:
-    return TorchEngine(folder, dtype=p.get("dtype") or None, threads=1,
-                       exact=p.get("batch_invariant", "true") == "true", head_vocab=int(p.get("head_vocab") or 0),
-                       weight_quant=p.get("weight_quant") or "")
+def load_worker(role: str, folder: Path):
+    """The worker the served model builds (same runtime, knobs and checks), on one thread: the
+    in-process rows measure the algorithm without Triton, not another engine."""
+    return build_worker(role, {**model_params("target" if role == "target" else "drafter_primary"), "threads": "1"},
+                        str(folder))
 
 
 class PinnedClient(LocalClient):
@@ -102,11 +101,10 @@ def main() -> None:
         ap.error("one of --out or --jobs-stdin is required")
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    target = load_engine(a.target, model_params("target"))
-    drafter = load_engine(a.drafter, model_params("drafter_primary"))
-    a.eos = target.eos_ids
+    target, drafter = load_worker("target", a.target), load_worker("drafter", a.drafter)
+    a.eos = target.engine.eos_ids
     print(f"[in-process] engines loaded in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    client = PinnedClient(TargetWorker(target), DrafterWorker(drafter), NgramWorker(),
+    client = PinnedClient(target, drafter, NgramWorker(),
                           int(model_params("target")["cores"].split(",")[0]),
                           int(model_params("drafter_primary")["cores"].split(",")[0]))
     shared = SharedState()

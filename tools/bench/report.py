@@ -346,11 +346,11 @@ def sampled_table(raw: dict) -> str:
 
 CORRECTNESS_NOTE = (
     "Our configurations run the batch-invariant target (a row's logits do not depend on the mode or the batch), "
-    "so at one thread count they are expected to agree token for token. At 2 threads oneDNN splits each GEMM's "
-    "work differently, which changes the last bits of some logits, so AR at 2 threads may leave AR at 1 thread at "
-    "a near-tied argmax (SD at 2 threads is checked against AR at 2 threads); the peer runs transformers' kernels, "
-    "whose bf16 rounding can flip such a token too. llama.cpp computes on the quantized GGUF weights with its own "
-    "kernels, so its tokens may leave ours at any near tie; its speculative decoding is checked against its own AR.")
+    "so they are expected to agree token for token. Where a target's rows change with the thread count (the torch "
+    "target where oneDNN splits a GEMM differently at 2 threads), AR at 2 threads may leave AR at 1 thread at a "
+    "near-tied argmax, so SD at 2 threads is also checked against AR at 2 threads. The peer runs transformers on the "
+    "bf16 conversion and llama-server computes with its own build's kernels, so their tokens may leave ours at any "
+    "near tie; llama.cpp's speculative decoding is checked against its own AR.")
 
 
 def write(raw: dict, out: Path) -> str:
