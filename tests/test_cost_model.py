@@ -155,3 +155,22 @@ def test_wide_rounds_are_priced_from_their_own_curves():
     assert wide[Choice.AR_WIDE] > wide[Choice.AR]
     assert Choice.SD_WIDE.mode == "sd" and Choice.SD_WIDE.wide and not Choice.SD.wide
     assert Choice.SD.switch_is_free(Choice.SD_WIDE) and not Choice.SD.switch_is_free(Choice.SSD_NEURAL)
+
+
+def test_a_wide_curve_keeps_the_split_curves_shape_where_unmeasured():
+    """AR rounds on every core measure one-row wide forwards only; a verify on every core is then
+    priced from the split curve's verify scaled by the measured wide/split ratio, not at one row's
+    cost (an exact 4-bit target's 5-row verify costs about 4x its row on any number of cores)."""
+    model = measured_scheduler().model
+    model.target = StepCost()
+    model.target.observe(1, 0.040)
+    model.target.observe(5, 0.190)  # row-wise: every row computes
+    model.target_wide.observe(1, 0.028)
+    model.drafter = StepCost()
+    model.drafter.observe(1, 0.005)  # cheap drafts: only the verify's price decides SD on every core
+    assert abs(model.target_wide.along(model.target)(5) - 0.190 * 0.028 / 0.040) < 1e-9
+    assert model.target_wide.along(model.target)(1) == model.target_wide(1) == 0.028
+    r = model.rates(1, 4, 8)
+    assert r[Choice.AR_WIDE] > r[Choice.SD_WIDE]  # the flat guess would have priced SD's verify at 28 ms
+    unmeasured = StepCost()
+    assert unmeasured.along(model.target) is model.target

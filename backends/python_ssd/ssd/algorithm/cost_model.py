@@ -4,8 +4,9 @@ With K draft tokens, B speculation branches per sequence and b sequences decodin
 
     AR        1 / T_t(b)
     SD        E_sd(K) / (K T_d(b) + T_t(b(K+1)))
-    AR@wide, SD@wide: the same with the engines' curves at every core (W_t, W_d); until a wide
-              round was measured they are the split curves (no gain assumed: the bandit tries them)
+    AR@wide, SD@wide: the same with the engines' curves at every core (W_t, W_d); where a wide
+              forward of that size was not measured, the split curve's shape (no gain assumed
+              until measured: the bandit tries them)
     SSD(kind) [p E_hit(K) + (1-p) E_miss(K)] / (max(T_v, T_s) + (1 - p^b) T_backup(kind))
               T_v = T_t(b(K+1)),  T_s = T_d(b(K+1)) + K T_d(bB)   (verify and speculation overlap)
 
@@ -66,6 +67,22 @@ class StepCost:
             return s + max(0.0, (s - s0) / (r - r0)) * (rows - r)
         return s * max(1.0, rows / max(r, self.flat_rows))
 
+    def along(self, shape: "StepCost"):
+        """This curve where measured; beyond its measured rows, ``shape``'s curve scaled to meet it
+        at the nearest measured forward. The same engine on more cores keeps its cost's shape in
+        rows: a wide curve that has seen only one-row steps prices a verify from the split curve's
+        verify, not at one row's cost. Unmeasured: ``shape`` itself."""
+        if not self.known:
+            return shape
+        lo, hi = min(b[0] for b in self.buckets.values()), max(b[0] for b in self.buckets.values())
+
+        def cost(rows: float) -> float:
+            edge = min(max(rows, lo), hi)
+            if edge == rows or not shape.known or shape(edge) <= 0:
+                return self(rows)
+            return self(edge) * shape(rows) / shape(edge)
+        return cost
+
 
 @dataclass
 class CostModel:
@@ -94,8 +111,7 @@ class CostModel:
         e_sd = self.accept["neural"].tokens(k)
         e_hit = self.accept["cache"].tokens(k) if self.accept["cache"].count else e_sd
         out = {Choice.AR: 1 / T_t(b), Choice.SD: e_sd / (k * T_d(b) + t_v)}
-        W_t = self.target_wide if self.target_wide.known else T_t
-        W_d = self.drafter_wide if self.drafter_wide.known else T_d
+        W_t, W_d = self.target_wide.along(T_t), self.drafter_wide.along(T_d)
         out[Choice.AR_WIDE] = 1 / W_t(b)
         out[Choice.SD_WIDE] = e_sd / (k * W_d(b) + W_t(b * (k + 1)))
         for c in (Choice.SSD_NEURAL, Choice.SSD_FAST):
