@@ -120,7 +120,8 @@ class EngineSupervisor:
                 self.failures[model] = f"{type(e).__name__}: {e}"
                 continue
             self.failures.pop(model, None)
-            self.expected.pop(model, None)  # counted again once the new stubs run
+            # `expected` stays: the reload starts as many stubs as the model had, and a stub that
+            # dies before the next look must still count as lost
             self.down.discard(model)
             self.restarts[model] = self.restarts.get(model, 0) + 1
             self.on_state(model, True)
