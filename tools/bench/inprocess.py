@@ -39,11 +39,10 @@ def model_params(model: str) -> dict[str, str]:
     return dict(_PARAM.findall((REPO / "model_repository" / model / "config.pbtxt").read_text()))
 
 
-def load_worker(role: str, folder: Path):
+def load_worker(role: str, folder: Path, params: dict[str, str]):
     """The worker the served model builds (same runtime, knobs and checks), on one thread: the
     in-process rows measure the algorithm without Triton, not another engine."""
-    return build_worker(role, {**model_params("target" if role == "target" else "drafter_primary"), "threads": "1"},
-                        str(folder))
+    return build_worker(role, {**params, "threads": "1"}, str(folder))
 
 
 class PinnedClient(LocalClient):
@@ -101,12 +100,13 @@ def main() -> None:
         ap.error("one of --out or --jobs-stdin is required")
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    target, drafter = load_worker("target", a.target), load_worker("drafter", a.drafter)
+    target_params, drafter_params = model_params("target"), model_params("drafter_primary")
+    target = load_worker("target", a.target, target_params)
+    drafter = load_worker("drafter", a.drafter, drafter_params)
     a.eos = target.engine.eos_ids
     print(f"[in-process] engines loaded in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    client = PinnedClient(target, drafter, NgramWorker(),
-                          int(model_params("target")["cores"].split(",")[0]),
-                          int(model_params("drafter_primary")["cores"].split(",")[0]))
+    client = PinnedClient(target, drafter, NgramWorker(), int(target_params["cores"].split(",")[0]),
+                          int(drafter_params["cores"].split(",")[0]))
     shared = SharedState()
     prompts = json.loads(a.prompts.read_text()) if a.prompts else []
     warm = prompts[0]["ids"][:16] if prompts else [1, 2, 3, 4]  # first-call allocations
