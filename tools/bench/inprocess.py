@@ -65,7 +65,8 @@ async def generate(client, shared, ids: list[int], mode: str, a) -> dict:
     """One generation of up to ``a.max_tokens`` tokens, with its statistics."""
     # step_aside off: SSD itself, as in the served rows of the bench
     cfg = DecodeConfig(mode=mode, k=a.k, fanout_budget=a.budget, saguaro_c=a.c, backup=a.backup, step_aside=False)
-    g = Generation(client, f"{mode}-{time.monotonic_ns()}", list(ids), SamplingParams(a.temperature), 1, cfg, shared)
+    g = Generation(client, f"{mode}-{time.monotonic_ns()}", list(ids), SamplingParams(a.temperature), 1, cfg, shared,
+                   a.max_tokens)
     out, t0 = [], time.perf_counter()
     async for block in g.run():
         out += block
@@ -91,6 +92,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=defaults.fanout_budget)
     ap.add_argument("--c", type=float, default=defaults.saguaro_c)
     ap.add_argument("--backup", default=defaults.backup)
+    ap.add_argument("--ar-steps", type=int, default=defaults.ar_steps)
     ap.add_argument("--out", type=Path, help="run every prompt x mode, write the rows here (JSON)")
     ap.add_argument("--jobs-stdin", action="store_true",
                     help="instead: read jobs (JSON lines: dataset, index, ids, mode, optional max_tokens) from stdin and answer each "
@@ -107,7 +109,7 @@ def main() -> None:
     print(f"[in-process] engines loaded in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     client = PinnedClient(target, drafter, NgramWorker(), int(target_params["cores"].split(",")[0]),
                           int(drafter_params["cores"].split(",")[0]))
-    shared = SharedState()
+    shared = SharedState(ar_steps=a.ar_steps)
     prompts = json.loads(a.prompts.read_text()) if a.prompts else []
     warm = prompts[0]["ids"][:16] if prompts else [1, 2, 3, 4]  # first-call allocations
 

@@ -17,6 +17,7 @@ CHOICE_NAMES = ("ssd+neural", "ssd+fast", "sd", "ar", "sd@wide", "ar@wide")  # w
 # K: a round verifies K + 1 rows per sequence; past 7 the acceptance^K tail adds almost nothing and
 # the verify leaves the batch-invariant target's 32-row tile at 4 sequences already
 K_MIN, K_MAX = 1, 7
+AR_STEPS_MAX = 32  # AR steps of one call: a streamed block, and how long a new request waits to join
 # B: branches the drafter pre-drafts per sequence; each is a tree row every speculation step
 BUDGET_MAX = 64
 
@@ -88,6 +89,11 @@ class ServerConfig:
     # threads an engine computes with in a wide round (choices "sd@wide", "ar@wide": the engine at
     # work gets every core; engines' `wide_cores`); 0: split rounds only
     wide_threads: int = 2
+    # AR steps per target call (multi-step decoding, as vLLM's num_scheduler_steps): the round trip
+    # to the target process (~2 ms on CPU) is paid once a call, and a batch of b sequences shares
+    # one, so each AR round of a batch of b takes ceil(ar_steps / b) steps. A call still stops at an
+    # end token and at max_tokens; streamed AR output comes in blocks of up to that many tokens
+    ar_steps: int = 8
     # KV admission (decoding/admission.py): tokens of every engine's KV that requests may reserve
     # together (0: no budget), and how long a request that does not fit yet may wait
     kv_budget_tokens: int = 65536
@@ -140,6 +146,7 @@ class ServerConfig:
         check(self.max_active_requests >= 1, "max_active_requests", f"must be >= 1, got {self.max_active_requests}")
         check(self.max_verify_rows >= 0, "max_verify_rows", f"must be >= 0, got {self.max_verify_rows}")
         check(self.wide_threads >= 0, "wide_threads", f"must be >= 0, got {self.wide_threads}")
+        check(1 <= self.ar_steps <= AR_STEPS_MAX, "ar_steps", f"must be in 1..{AR_STEPS_MAX}, got {self.ar_steps}")
         check(self.kv_budget_tokens >= 0, "kv_budget_tokens", f"must be >= 0, got {self.kv_budget_tokens}")
         check(self.kv_wait_s >= 0, "kv_wait_s", f"must be >= 0, got {self.kv_wait_s}")
         check(self.supervise_interval_s > 0, "supervise_interval_s",

@@ -68,6 +68,7 @@ class RoundRecord:
     ngram_drafted: int = 1
     fanout_at_outcome: int = 0  # branches pre-drafted at the accepted depth (the fan-out fit)
     after_switch: bool = False  # the request's first round after a costly change of choice
+    steps: int = 1  # target steps it took: an AR round may decode several tokens in one call
 
     @property
     def accepted(self) -> int:

@@ -44,10 +44,11 @@ class RequestStats:
 
     def add(self, rec: RoundRecord, rates: dict) -> None:
         """One round of this request (``rates``: the scheduler's estimates that round)."""
-        self.rounds += 1
-        self.tokens_per_round.append(rec.tokens)
-        self.source_per_round.append(rec.source)
-        self.decisions[f"{rec.choice}: {rec.reason}"] += 1
+        n = rec.steps  # counted per target step: an AR round of n steps is n one-token rounds here
+        self.rounds += n
+        self.tokens_per_round += [rec.tokens] if n == 1 else [1] * n
+        self.source_per_round += [rec.source] * n
+        self.decisions[f"{rec.choice}: {rec.reason}"] += n
         if rec.choice != Choice.AR:
             self.draft_lens[rec.k] += 1
         if rates:
@@ -61,7 +62,7 @@ class RequestStats:
         elif rec.choice.mode == "sd":
             self.t_draft += rec.draft_seconds
         if rec.target_timing:
-            self.n_verify_timed += 1
+            self.n_verify_timed += n
             self.t_verify_timed += rec.verify_seconds
             self.t_verify_forward += sum(s for _, s in rec.target_timing)
         if rec.hit is not None:

@@ -57,6 +57,8 @@ class SharedState:
     max_verify_rows: int = 0
     # threads of a wide round (Choice.wide: the engine at work on every core); 0: split rounds only
     wide_threads: int = 0
+    # AR steps one target call may take for the whole batch (ServerConfig.ar_steps)
+    ar_steps: int = 1
 
     def __post_init__(self) -> None:
         self.estimator = FanoutEstimator(acceptance=lambda: self.policy.model.drafter_alpha())
@@ -90,8 +92,9 @@ async def _timed(coro):
 
 class Generation:
     def __init__(self, client: WorkerClient, seq_id: str, prompt: list[int], params: SamplingParams,
-                 seed: int, cfg: DecodeConfig, shared: SharedState | None = None):
+                 seed: int, cfg: DecodeConfig, shared: SharedState | None = None, max_tokens: int = 0):
         cfg.validate()
+        self.max_tokens = max_tokens  # the request's (0: no limit); an AR round never decodes past it
         self.c, self.seq_id, self.prompt, self.params, self.seed, self.cfg = client, seq_id, prompt, params, seed, cfg
         self.shared = shared or SharedState()
         self.stats = RequestStats(mode=cfg.mode, draft_len=0 if cfg.mode == "ar" else cfg.k)
@@ -101,8 +104,15 @@ class Generation:
         self.last_choice: Choice | None = None  # the previous round's
         self.threads = 0  # this round's layout (VerifyCall.threads): 0 split, else wide
 
-    def _verify(self, prefix, draft, probs=None) -> VerifyCall:
-        return VerifyCall(self.seq_id, prefix, draft, self.params, self.seed, self.round, probs, self.threads)
+    def _verify(self, prefix, draft, probs=None, steps: int = 1) -> VerifyCall:
+        return VerifyCall(self.seq_id, prefix, draft, self.params, self.seed, self.round, probs, self.threads, steps)
+
+    def _ar_steps(self) -> int:
+        """Steps of this AR round: the batch's sequences share a call's round trip, so together
+        they take about ``ar_steps`` steps a call; never past the request's max_tokens."""
+        steps = -(-self.shared.ar_steps // max(self.shared.active, 1))
+        left = self.max_tokens - self.stats.new_tokens if self.max_tokens else steps
+        return max(1, min(steps, left))
 
     def _draft_call(self, prefix, fanout, c=1.0) -> DraftCall:
         return DraftCall(self.seq_id, prefix, self.k, self.params, self.seed, self.round, c, fanout, self.threads)
@@ -130,6 +140,7 @@ class Generation:
         """The first ``n`` tokens, with no stop conditions (tests and tools that want exactly
         ``n``), then frees the sequence in the engines."""
         out: list[int] = []
+        self.max_tokens = self.max_tokens or n
         agen = self.run()
         try:
             async for block in agen:
@@ -150,13 +161,14 @@ class Generation:
             budget = self.shared.policy.model.tree_budget(batch, self.k, self.cfg.fanout_budget)
             fanout = allocate(self.cfg.fanout_shape, self.k, budget, self.shared.estimator)
             draft, source, t_draft = await self._draft(d, prefix, fanout, cached)
-            r, t_verify, spec, t_spec = await self._verify_round(d, prefix, draft, fanout)
-            block = draft.tokens[:r.accepted] + [r.token]
+            steps = self._ar_steps() if d.mode == "ar" else 1
+            r, t_verify, spec, t_spec = await self._verify_round(d, prefix, draft, fanout, steps)
+            block = draft.tokens[:r.accepted] + r.decoded + [r.token]
             hit = (r.accepted, r.token) in spec.branches if spec is not None else None
             guess = propose(prefix, self.k)  # what the n-gram backup would have drafted, scored for free
             rec = RoundRecord(
                 choice=d.choice, reason=d.reason, k=0 if d.mode == "ar" else self.k,
-                budget=budget if spec is not None else 0, batch=batch, tokens=len(block),
+                budget=budget if spec is not None else 0, batch=batch, tokens=len(block), steps=1 + len(r.decoded),
                 seconds=time.perf_counter() - t0, source=source, drafted=len(draft.tokens), hit=hit,
                 target_timing=tuple(map(tuple, r.timing)),
                 drafter_timing=tuple(map(tuple, list(draft.timing) + list(spec.timing if spec else []))),
@@ -168,7 +180,7 @@ class Generation:
             self.shared.learner.observe(rec)
             self.stats.add(rec, d.rates)
             self.last_choice = d.choice
-            self.round += 1
+            self.round += 1 + len(r.decoded)  # an AR round's step s sampled with round + s
             prefix = prefix + block
             yield block
             cached = await self._cached_draft(spec, (r.accepted, r.token)) if hit else None
@@ -208,11 +220,12 @@ class Generation:
             draft, source = await self._neural_draft(prefix, fanout, self.cfg.saguaro_c)
         return draft, source, time.perf_counter() - t0
 
-    async def _verify_round(self, d: Decision, prefix, draft: DraftResult, fanout):
-        """The target verifies the draft; an SSD round speculates the next round's outcomes at the
-        same time, in the drafter's process. A failed speculation is a miss; a failed verify is fatal.
+    async def _verify_round(self, d: Decision, prefix, draft: DraftResult, fanout, steps: int = 1):
+        """The target verifies the draft (an AR round: decodes up to ``steps`` tokens); an SSD round
+        speculates the next round's outcomes at the same time, in the drafter's process. A failed
+        speculation is a miss; a failed verify is fatal.
         Returns (verify result, its seconds, speculation result or None, its seconds)."""
-        verify = _timed(self.c.verify(self._verify(prefix, draft.tokens, draft.probs)))
+        verify = _timed(self.c.verify(self._verify(prefix, draft.tokens, draft.probs, steps)))
         if d.mode != "ssd" or not self.drafter_ok:
             return (*await verify, None, 0.0)
         spec = SpeculateCall(self.seq_id, prefix, draft.tokens, self.k, fanout, self.params, self.seed,

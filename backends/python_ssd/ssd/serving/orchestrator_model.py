@@ -39,7 +39,8 @@ class OrchestratorModel:
         self.defaults = cfg.decode_defaults()
         self.shared = SharedState(policy=Scheduler(forced_mode=cfg.force_mode or None,
                                                    forced_backup=cfg.force_backup or None),
-                                  max_verify_rows=cfg.max_verify_rows, wide_threads=cfg.wide_threads)
+                                  max_verify_rows=cfg.max_verify_rows, wide_threads=cfg.wide_threads,
+                                  ar_steps=cfg.ar_steps)
         trace = os.environ.get("SSD_POLICY_TRACE")
         self._trace_file = None
         if trace:  # one JSON line per scheduler decision and per measured round
@@ -140,7 +141,7 @@ class OrchestratorModel:
 
     async def _decode(self, request, sender, req, prompt) -> None:
         seq_id = uuid.uuid4().hex
-        gen = Generation(self.client, seq_id, prompt, req.params, req.seed, req.decode, self.shared)
+        gen = Generation(self.client, seq_id, prompt, req.params, req.seed, req.decode, self.shared, req.max_tokens)
         checker = StopChecker(self.codec.decode, req.max_tokens, self.codec.eos_ids, req.stop)
         status, sent_ids = "ok", 0
         try:

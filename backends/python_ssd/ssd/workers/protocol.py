@@ -24,12 +24,14 @@ class VerifyCall:
     round: int = 0
     draft_probs: torch.Tensor | None = None  # [len(draft), V] q' rows; None: greedy or one-hot
     threads: int = 0  # the round's layout: threads to compute with (0: the engine's own, split)
+    steps: int = 1  # an AR call (empty draft): tokens the target may decode itself (workers/target.py)
 
 
 @dataclass
 class VerifyResult:
     accepted: int
     token: int
+    decoded: list[int] = field(default_factory=list)  # an AR call of several steps: its tokens before `token`
     timing: list = field(default_factory=list)  # [(rows, seconds)] of the engine's forwards, see below
 
 

@@ -3,6 +3,10 @@
 The contract of TensorRT-LLM's draft_tokens_external verify (its first, streamed answer): in goes a
 prefix plus draft tokens (and the drafter's q' rows when sampling), out comes the accepted count and
 exactly one target token.
+An AR call (no draft) may ask for several steps (VerifyCall.steps): the target then decodes up to
+that many tokens itself, one one-row forward each, as the same number of one-step calls would (step
+s samples with round + s's stream), and stops after an end-of-sequence token. One message then
+carries several tokens: the per-token cost of the orchestrator's round trip is divided by them.
 The target's own distribution p never leaves this process.
 """
 from __future__ import annotations
@@ -20,13 +24,23 @@ class TargetWorker:
         self.engine = engine
 
     def verify(self, calls: list[VerifyCall]) -> list[VerifyResult]:
-        ext = [ExtendCall(c.seq_id, c.tokens + c.draft, n_logits=len(c.draft) + 1) for c in calls]
-        logits = self.engine.extend(ext)
-        out = []
-        for c, lg in zip(calls, logits):
-            g = None if c.params.greedy else round_generator(c.seed, c.round, VERIFY_STREAM)
-            o = verify(lg, c.draft, c.draft_probs, c.params, g)
-            out.append(VerifyResult(o.accepted, o.token))
+        out = [VerifyResult(0, -1) for _ in calls]
+        decoded: list[list[int]] = [[] for _ in calls]  # tokens an AR call's earlier steps produced
+        live = list(range(len(calls)))
+        eos = getattr(self.engine, "eos_ids", set())
+        for step in range(max((1 if c.draft else c.steps for c in calls), default=0)):
+            for i in live if step else ():
+                decoded[i].append(out[i].token)
+            ext = [ExtendCall(calls[i].seq_id, calls[i].tokens + decoded[i] + calls[i].draft,
+                              n_logits=len(calls[i].draft) + 1) for i in live]
+            for i, lg in zip(live, self.engine.extend(ext)):
+                c = calls[i]
+                g = None if c.params.greedy else round_generator(c.seed, c.round + step, VERIFY_STREAM)
+                o = verify(lg, c.draft, c.draft_probs, c.params, g)
+                out[i] = VerifyResult(o.accepted, o.token, list(decoded[i]))
+            live = [i for i in live if not calls[i].draft and step + 1 < calls[i].steps and out[i].token not in eos]
+            if not live:
+                break
         return attach_timing(out, self.engine.take_timing())
 
     def release(self, seq_id: str) -> None:
