@@ -27,6 +27,7 @@ from ssd.algorithm.sampling import SamplingParams
 from ssd.config import ServerConfig
 from ssd.decoding.generator import DecodeConfig, Generation, SharedState
 from ssd.decoding.local_client import LocalClient
+from ssd.serving.placement import parse_cores
 from ssd.workers.factory import build_worker
 from ssd.workers.fast_backup import NgramWorker
 
@@ -107,8 +108,8 @@ def main() -> None:
     drafter = load_worker("drafter", a.drafter, drafter_params)
     a.eos = target.engine.eos_ids
     print(f"[in-process] engines loaded in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    client = PinnedClient(target, drafter, NgramWorker(), int(target_params["cores"].split(",")[0]),
-                          int(drafter_params["cores"].split(",")[0]))
+    client = PinnedClient(target, drafter, NgramWorker(), min(parse_cores(target_params["cores"]) or {0}),
+                          min(parse_cores(drafter_params["cores"]) or {0}))
     shared = SharedState(ar_steps=a.ar_steps)
     prompts = json.loads(a.prompts.read_text()) if a.prompts else []
     warm = prompts[0]["ids"][:16] if prompts else [1, 2, 3, 4]  # first-call allocations

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .rounds import Choice, RoundRecord
+from .rounds import RoundRecord
 
 
 @dataclass
@@ -49,7 +49,7 @@ class RequestStats:
         self.tokens_per_round += [rec.tokens] if n == 1 else [1] * n
         self.source_per_round += [rec.source] * n
         self.decisions[f"{rec.choice}: {rec.reason}"] += n
-        if rec.choice != Choice.AR:
+        if rec.choice.mode != "ar":
             self.draft_lens[rec.k] += 1
         if rates:
             self.last_rates = {str(c): r for c, r in rates.items()}
