@@ -199,6 +199,48 @@ def test_changing_k_between_ssd_rounds_is_exact(engines, codec, ar_outputs):
         assert g.stats.hits > 0  # cached drafts were used across K changes
 
 
+@pytest.mark.parametrize("running,threads", [("ssd+neural", 0), ("ar@wide", 2), ("sd@wide", 2)])
+def test_prefill_takes_the_layout_the_batch_runs(engines, codec, running, threads):
+    """A new request's prompt is prefilled in the batch's current layout: split, beside the
+    drafter's prefill on its own core; wide, on every core with the drafter left to prefill at its
+    first draft (its threads would contend for the cores)."""
+    from ssd.algorithm.sampling import SamplingParams
+    from ssd.algorithm.scheduler import Scheduler
+    from ssd.decoding.generator import DecodeConfig, Generation, SharedState
+
+    client = ThreadsClient(_client(engines, "strong"))
+    prompt = codec.encode_prompt(PROMPTS[2])
+    seq = f"layout-{running}"
+    shared = SharedState(policy=Scheduler(forced_mode=running), wide_threads=2)
+
+    async def first_block():
+        g = Generation(client, seq, list(prompt), SamplingParams(), 0, DecodeConfig(mode="ssd"), shared)
+        agen = g.run()
+        block = await agen.__anext__()
+        cached = engines["strong"].cached_tokens(seq)
+        await agen.aclose()
+        await client.release(seq)
+        return block, cached, g
+
+    block, cached, g = asyncio.run(first_block())
+    assert client.threads == [threads] and g.stats.to_dict()["prefill_threads"] == threads
+    assert cached == ([] if threads else prompt)
+
+
+class ThreadsClient:
+    """Records each target call's thread count."""
+
+    def __init__(self, inner):
+        self.inner, self.threads = inner, []
+
+    async def verify(self, call):
+        self.threads.append(call.threads)
+        return await self.inner.verify(call)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 class RecordingClient:
     """Wraps a client and records what speculate returned, per round."""
 

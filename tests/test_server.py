@@ -225,7 +225,7 @@ def test_client_disconnect_mid_stream_frees_the_request(server, reference):
 @pytest.mark.parametrize("choice", ["sd@wide", "ar@wide"])
 def test_wide_rounds_give_the_lone_ar_output(engine_root, tmp_path_factory, reference, choice):
     """Every round on the wide layout (the engine at work on both cores, two threads where its rows
-    keep their bits): the served greedy output is still the target's own."""
+    keep their bits), the prefill too: the served greedy output is still the target's own."""
     srv = start_tiny_server(engine_root, tmp_path_factory, force_mode=choice)
     try:
         for prompt, ref in reference.items():
@@ -233,6 +233,8 @@ def test_wide_rounds_give_the_lone_ar_output(engine_root, tmp_path_factory, refe
             assert status == 200, body
             d = json.loads(body)
             assert d["output_ids"] == ref, (choice, prompt)
-            assert set(json.loads(d["stats"])["rounds_by_choice"]) == {choice}
+            stats = json.loads(d["stats"])
+            assert set(stats["rounds_by_choice"]) == {choice}
+            assert stats["prefill_threads"] == 2  # the prompt too is prefilled on both cores
     finally:
         srv.stop()

@@ -111,6 +111,14 @@ class Scheduler:
         choice = d.choice if d.choice in allowed else max(allowed, key=lambda c: d.rates[c])
         return Decision(choice, d.reason if choice == d.choice else "policy", d.rates, d.ks)
 
+    def running(self, allowed=SPLIT_CHOICES) -> Choice:
+        """The choice the batch runs now among ``allowed``: a new request's prefill takes its layout,
+        so it does not stop a wide batch's cores to run on one (or a split batch's drafter)."""
+        allowed = tuple(Choice(c) for c in allowed)
+        if self.forced_mode and Choice(self.forced_mode) in allowed:
+            return Choice(self.forced_mode)
+        return self.current if self.current in allowed else allowed[0]
+
     def estimates(self, batch: int, k: int, budget: int, ks: dict | None = None):
         """(estimated tokens/s, weight in rounds) per choice at this batch size (see the top)."""
         prior = self.model.rates_at(batch, k, budget, ks)

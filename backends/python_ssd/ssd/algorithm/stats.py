@@ -32,6 +32,7 @@ class RequestStats:
     t_verify_timed: float = 0.0
     t_verify_forward: float = 0.0
     prefill_s: float = 0.0
+    prefill_threads: int = 0  # the prefill's layout: 0 split (the target's own threads), else wide
     decode_s: float = 0.0
     new_tokens: int = 0
     backup_reasons: Counter = field(default_factory=Counter)
@@ -118,6 +119,7 @@ class RequestStats:
             "t_b": round(t_b, 4),
             "t_sd_draft": round(t_d, 4),
             "prefill_s": round(self.prefill_s, 4),
+            "prefill_threads": self.prefill_threads,
             "decode_s": round(self.decode_s, 4),
             "decode_tokens_per_s": round(decode_tps, 3),
             "speedup_predicted": round(predicted, 3),

@@ -122,7 +122,7 @@ class Generation:
         self.shared.add_active(1)
         try:
             t0 = time.perf_counter()
-            first, _ = await asyncio.gather(self.c.verify(self._verify(self.prompt, [])), self._warm_drafter())
+            first = await self._prefill()
             self.stats.prefill_s = time.perf_counter() - t0
             prefix = self.prompt + [first.token]
             self.round += 1
@@ -248,6 +248,20 @@ class Generation:
         except Exception as e:  # noqa: BLE001
             self._degrade("fetch", e)
             return None
+
+    async def _prefill(self) -> VerifyResult:
+        """The target prefills the prompt (and gives the first token) in the layout the batch runs
+        now: on a split layout the drafter prefills it beside, on its own core; on a wide layout
+        the target takes every core (a prompt's GEMMs scale with threads) and the drafter, whose
+        threads would contend for them, prefills at its first draft. The layout changes the
+        time, not the bits: an exact target computes wide only where its rows keep their bits."""
+        allowed = self.cfg.allowed(wide=self.shared.wide_threads > 0)
+        wide = self.shared.policy.running(allowed).wide
+        self.threads = self.stats.prefill_threads = self.shared.wide_threads if wide else 0
+        if wide:
+            return await self.c.verify(self._verify(self.prompt, []))
+        first, _ = await asyncio.gather(self.c.verify(self._verify(self.prompt, [])), self._warm_drafter())
+        return first
 
     # -- drafting ----------------------------------------------------------------------------------
     async def _warm_drafter(self) -> None:
