@@ -94,8 +94,8 @@ class Scheduler:
         starts when a sequence asks again (or ``seq`` is None); every sequence asking within it
         gets the same answer, so a change moves the whole batch at once."""
         allowed = tuple(Choice(c) for c in allowed)
-        if self.forced_mode and Choice(self.forced_mode) in allowed:
-            return Decision(Choice(self.forced_mode), "forced")
+        if forced := self._forced(allowed):
+            return Decision(forced, "forced")
         if self.forced_backup:
             allowed = tuple(c for c in allowed if c.mode != "ssd" or c.backup == self.forced_backup) or allowed
         if len(allowed) == 1:
@@ -115,9 +115,12 @@ class Scheduler:
         """The choice the batch runs now among ``allowed``: a new request's prefill takes its layout,
         so it does not stop a wide batch's cores to run on one (or a split batch's drafter)."""
         allowed = tuple(Choice(c) for c in allowed)
-        if self.forced_mode and Choice(self.forced_mode) in allowed:
-            return Choice(self.forced_mode)
-        return self.current if self.current in allowed else allowed[0]
+        return self._forced(allowed) or (self.current if self.current in allowed else allowed[0])
+
+    def _forced(self, allowed: tuple) -> Choice | None:
+        """The forced mode (``forced_mode``) where ``allowed`` admits it."""
+        forced = Choice(self.forced_mode) if self.forced_mode else None
+        return forced if forced in allowed else None
 
     def estimates(self, batch: int, k: int, budget: int, ks: dict | None = None):
         """(estimated tokens/s, weight in rounds) per choice at this batch size (see the top)."""

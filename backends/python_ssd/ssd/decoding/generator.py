@@ -190,17 +190,25 @@ class Generation:
         choice's K up to the request's (``CostModel.best_k``); sd and ar requests are baselines
         and draft exactly the K they asked for (lowered only by ``SharedState.round_k``)."""
         cfg, pol, active = self.cfg, self.shared.policy, self.shared.active
-        allowed = cfg.allowed(wide=self.shared.wide_threads > 0)
+        allowed = self._allowed()
         if not self.drafter_ok:  # only the target and the n-gram backup are left
             allowed = ("ar",) if cfg.mode == "ar" else ("ssd+fast", "ar")
         adaptive = cfg.adaptive_k and cfg.mode == "ssd"
         budget = cfg.fanout_budget if adaptive else pol.model.tree_budget(active, k_max, cfg.fanout_budget)
         d = pol.choose(active, k_max, budget, allowed, self.seq_id, adaptive_k=adaptive)
         self.k = min(d.ks.get(d.choice, k_max), k_max) if adaptive else k_max
-        self.threads = self.shared.wide_threads if d.choice.wide else 0
+        self.threads = self._threads(d.choice)
         if not self.drafter_ok:
             d.reason = "drafter down"
         return d
+
+    def _allowed(self) -> tuple[str, ...]:
+        """The choices this request's config allows, the wide ones where the server offers them."""
+        return self.cfg.allowed(wide=self.shared.wide_threads > 0)
+
+    def _threads(self, choice: Choice) -> int:
+        """VerifyCall.threads for a call in ``choice``'s layout: 0 split, else the wide count."""
+        return self.shared.wide_threads if choice.wide else 0
 
     async def _draft(self, d: Decision, prefix, fanout, cached) -> tuple[DraftResult, str, float]:
         """This round's draft, where it came from and how long drafting took: none for AR, the last
@@ -255,12 +263,11 @@ class Generation:
         the target takes every core (a prompt's GEMMs scale with threads) and the drafter, whose
         threads would contend for them, prefills at its first draft. The layout changes the
         time, not the bits: an exact target computes wide only where its rows keep their bits."""
-        allowed = self.cfg.allowed(wide=self.shared.wide_threads > 0)
-        wide = self.shared.policy.running(allowed).wide
-        self.threads = self.stats.prefill_threads = self.shared.wide_threads if wide else 0
-        if wide:
-            return await self.c.verify(self._verify(self.prompt, []))
-        first, _ = await asyncio.gather(self.c.verify(self._verify(self.prompt, [])), self._warm_drafter())
+        self.threads = self.stats.prefill_threads = self._threads(self.shared.policy.running(self._allowed()))
+        first = self.c.verify(self._verify(self.prompt, []))
+        if self.threads:
+            return await first
+        first, _ = await asyncio.gather(first, self._warm_drafter())
         return first
 
     # -- drafting ----------------------------------------------------------------------------------
