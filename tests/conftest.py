@@ -111,6 +111,18 @@ def codec(engine_root):
     return TextCodec(engine_root / TARGET)
 
 
+@pytest.fixture(scope="session")
+def ar_outputs(engines, codec):
+    """The target's own greedy tokens (AR, fp32) for each of PROMPTS: what every exact mode must give."""
+    import asyncio
+
+    from decoding_clients import generate, local_client
+    from ssd.decoding.generator import DecodeConfig
+
+    client = local_client(engines, "strong")
+    return [asyncio.run(generate(client, codec.encode_prompt(p), DecodeConfig(mode="ar")))[0] for p in PROMPTS]
+
+
 def start_tiny_server(engine_root, tmp_path_factory, target: dict | None = None, **ssd_params: str):
     """A real tritonserver on free loopback ports serving the SSD models on the CI engines: target
     fp32 (exact greedy), drafter = the same weights in bf16; ``ssd_params`` add to the ssd model's,

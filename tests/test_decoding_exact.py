@@ -11,34 +11,7 @@ import itertools
 import pytest
 
 from conftest import PROMPTS
-
-N_TOKENS = 32
-
-
-def _client(engines, drafter: str):
-    from ssd.decoding.local_client import LocalClient
-    from ssd.workers.drafter import DrafterWorker
-    from ssd.workers.fast_backup import NgramWorker
-    from ssd.workers.target import TargetWorker
-
-    return LocalClient(TargetWorker(engines["target"]), DrafterWorker(engines[drafter]), NgramWorker())
-
-
-async def _generate(client, prompt, cfg, n=N_TOKENS, seq="s", params=None, seed=0, shared=None):
-    from ssd.algorithm.sampling import SamplingParams
-    from ssd.decoding.generator import Generation
-
-    g = Generation(client, seq, list(prompt), params or SamplingParams(), seed, cfg, shared)
-    return await g.take(n), g
-
-
-@pytest.fixture(scope="module")
-def ar_outputs(engines, codec):
-    from ssd.decoding.generator import DecodeConfig
-
-    client = _client(engines, "strong")
-    return [asyncio.run(_generate(client, codec.encode_prompt(p), DecodeConfig(mode="ar")))[0] for p in PROMPTS]
-
+from decoding_clients import VerifyLog, generate, local_client
 
 CONFIGS = [  # (drafter, decode config): K, fan-out shape and budget, backup kind, C
     ("weak", dict(mode="sd", k=1)), ("strong", dict(mode="sd", k=4)), ("weak", dict(mode="sd", k=7)),
@@ -57,10 +30,10 @@ CONFIGS = [  # (drafter, decode config): K, fan-out shape and budget, backup kin
 def test_greedy_equals_target(engines, codec, ar_outputs, drafter, cfg):
     from ssd.decoding.generator import DecodeConfig
 
-    client = _client(engines, drafter)
+    client = local_client(engines, drafter)
     rounds_with_drafts = 0
     for prompt, ref in zip(PROMPTS, ar_outputs):
-        out, g = asyncio.run(_generate(client, codec.encode_prompt(prompt), DecodeConfig(**cfg)))
+        out, g = asyncio.run(generate(client, codec.encode_prompt(prompt), DecodeConfig(**cfg)))
         assert out == ref, f"{cfg} with {drafter} drafter diverged on {prompt!r}"
         rounds_with_drafts += g.stats.rounds
     assert rounds_with_drafts > 0
@@ -72,10 +45,10 @@ def test_capped_round_k_is_exact(engines, codec, ar_outputs, mode):
     shorter rounds, same tokens."""
     from ssd.decoding.generator import DecodeConfig, SharedState
 
-    client = _client(engines, "strong")
+    client = local_client(engines, "strong")
     for prompt, ref in zip(PROMPTS, ar_outputs):
         shared = SharedState(max_verify_rows=3)
-        out, g = asyncio.run(_generate(client, codec.encode_prompt(prompt),
+        out, g = asyncio.run(generate(client, codec.encode_prompt(prompt),
                                        DecodeConfig(mode=mode, k=4, step_aside=False, adaptive_k=False), shared=shared))
         assert out == ref
         assert max(g.stats.tokens_per_round) == 3 and g.k == 2
@@ -88,9 +61,9 @@ def test_every_round_reaches_the_learner_as_one_record(engines, codec):
     from ssd.algorithm.rounds import Choice
     from ssd.decoding.generator import DecodeConfig, SharedState
 
-    client = _client(engines, "strong")
+    client = local_client(engines, "strong")
     shared = SharedState()
-    _, g = asyncio.run(_generate(client, codec.encode_prompt(PROMPTS[1]),
+    _, g = asyncio.run(generate(client, codec.encode_prompt(PROMPTS[1]),
                                  DecodeConfig(mode="ssd", k=3, backup="neural", step_aside=False), n=24, shared=shared))
     model, sources = shared.policy.model, g.stats.source_per_round
     assert g.stats.rounds == len(sources) > 0
@@ -111,7 +84,7 @@ def test_drafter_prefills_the_prompt_beside_the_target(engines, codec, mode):
     from ssd.algorithm.sampling import SamplingParams
     from ssd.decoding.generator import DecodeConfig, Generation
 
-    client = _client(engines, "strong")
+    client = local_client(engines, "strong")
     prompt = codec.encode_prompt(PROMPTS[1])
 
     async def first_block():
@@ -134,10 +107,10 @@ def test_both_hits_and_misses_happen(engines, codec):
 
     totals = {}
     for drafter in ("strong", "weak"):
-        client = _client(engines, drafter)
+        client = local_client(engines, drafter)
         hits = misses = 0
         for prompt in PROMPTS[:3]:
-            _, g = asyncio.run(_generate(client, codec.encode_prompt(prompt), DecodeConfig(mode="ssd", k=3, step_aside=False)))
+            _, g = asyncio.run(generate(client, codec.encode_prompt(prompt), DecodeConfig(mode="ssd", k=3, step_aside=False)))
             hits, misses = hits + g.stats.hits, misses + g.stats.misses
         totals[drafter] = (hits, misses)
     assert sum(h for h, _ in totals.values()) > 0 and sum(m for _, m in totals.values()) > 0, totals
@@ -172,11 +145,11 @@ SWITCHES = ["ssd+neural", "ssd+neural", "sd", "ssd+fast", "ar", "ssd+neural", "a
 def test_switching_modes_between_rounds_is_exact(engines, codec, ar_outputs, drafter):
     from ssd.decoding.generator import DecodeConfig
 
-    client = _client(engines, drafter)
+    client = local_client(engines, drafter)
     seen = set()
     for i, (prompt, ref) in enumerate(zip(PROMPTS, ar_outputs)):
         shared = cycling_shared(SWITCHES[i % 3:] + SWITCHES[:i % 3])
-        out, g = asyncio.run(_generate(client, codec.encode_prompt(prompt), DecodeConfig(mode="ssd", k=3),
+        out, g = asyncio.run(generate(client, codec.encode_prompt(prompt), DecodeConfig(mode="ssd", k=3),
                                        shared=shared))
         assert out == ref, f"switching modes diverged on {prompt!r}"
         seen |= set(g.stats.to_dict()["rounds_by_choice"])
@@ -189,10 +162,10 @@ def test_changing_k_between_ssd_rounds_is_exact(engines, codec, ar_outputs):
     draft from a longer K is cut, one from a shorter K is verified as it is; same tokens."""
     from ssd.decoding.generator import DecodeConfig
 
-    client = _client(engines, "strong")
+    client = local_client(engines, "strong")
     for prompt, ref in zip(PROMPTS, ar_outputs):
         shared = cycling_shared(["ssd+neural", "ssd+neural", "ssd+fast", "ssd+neural"], ks=[4, 1, 3, 2, 4, 4, 1])
-        out, g = asyncio.run(_generate(client, codec.encode_prompt(prompt), DecodeConfig(mode="ssd", k=4),
+        out, g = asyncio.run(generate(client, codec.encode_prompt(prompt), DecodeConfig(mode="ssd", k=4),
                                        shared=shared))
         assert out == ref, f"changing K diverged on {prompt!r}"
         assert set(g.stats.draft_lens) == {1, 2, 3, 4}
@@ -208,7 +181,7 @@ def test_prefill_takes_the_layout_the_batch_runs(engines, codec, running, thread
     from ssd.algorithm.scheduler import Scheduler
     from ssd.decoding.generator import DecodeConfig, Generation, SharedState
 
-    client = ThreadsClient(_client(engines, "strong"))
+    client = VerifyLog(local_client(engines, "strong"))
     prompt = codec.encode_prompt(PROMPTS[2])
     seq = f"layout-{running}"
     shared = SharedState(policy=Scheduler(forced_mode=running), wide_threads=2)
@@ -223,22 +196,8 @@ def test_prefill_takes_the_layout_the_batch_runs(engines, codec, running, thread
         return block, cached, g
 
     block, cached, g = asyncio.run(first_block())
-    assert client.threads == [threads] and g.stats.to_dict()["prefill_threads"] == threads
+    assert [c.threads for c, _ in client.calls] == [threads] and g.stats.to_dict()["prefill_threads"] == threads
     assert cached == ([] if threads else prompt)
-
-
-class ThreadsClient:
-    """Records each target call's thread count."""
-
-    def __init__(self, inner):
-        self.inner, self.threads = inner, []
-
-    async def verify(self, call):
-        self.threads.append(call.threads)
-        return await self.inner.verify(call)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
 
 
 class RecordingClient:
@@ -263,7 +222,7 @@ def test_cache_hit_exactly_when_outcome_cached(engines, codec):
     from ssd.decoding.generator import DecodeConfig, Generation
     from ssd.algorithm.sampling import SamplingParams
 
-    client = RecordingClient(_client(engines, "strong"))
+    client = RecordingClient(local_client(engines, "strong"))
     prompt = codec.encode_prompt(PROMPTS[0])
     g = Generation(client, "hitcheck", prompt, SamplingParams(), 0, DecodeConfig(mode="ssd", k=3, fanout_budget=4, adaptive_k=False,
                                                                                 step_aside=False))
@@ -311,7 +270,7 @@ def test_stops_inside_accepted_block(engines, codec, ar_outputs, mode, k):
     from ssd.decoding.generator import DecodeConfig
     from ssd.decoding.stopping import StopChecker
 
-    client = _client(engines, "strong")
+    client = local_client(engines, "strong")
     ref = ar_outputs[0]
     cfg = DecodeConfig(mode=mode, k=max(k, 1))
     for max_tokens, eos in itertools.product([1, 2, 5, 13], [None, ref[7]]):
@@ -387,77 +346,6 @@ def test_dead_drafter_degrades_without_corrupting(engines, codec, ar_outputs, mo
 
     client = LocalClient(TargetWorker(engines["target"]), DyingDrafter(DrafterWorker(engines["strong"]), 3),
                          NgramWorker())
-    out, g = asyncio.run(_generate(client, codec.encode_prompt(PROMPTS[0]), DecodeConfig(mode=mode, k=3)))
+    out, g = asyncio.run(generate(client, codec.encode_prompt(PROMPTS[0]), DecodeConfig(mode=mode, k=3)))
     assert out == ar_outputs[0]
     assert "failed" in g.stats.degraded
-
-
-class CountingClient(RecordingClient):
-    """Counts the target calls and the steps they asked for."""
-
-    async def verify(self, call):
-        r = await self.inner.verify(call)
-        self.log.append(("verify", call.steps, 1 + len(r.decoded)))
-        return r
-
-
-@pytest.mark.parametrize("steps", [2, 5])
-def test_ar_steps_decode_the_target_tokens_in_fewer_calls(engines, codec, ar_outputs, steps):
-    """An AR round of several steps (ServerConfig.ar_steps) gives the tokens of one-step rounds, in
-    about 1/steps of the target calls, and never decodes past the request's max_tokens."""
-    from ssd.decoding.generator import DecodeConfig, SharedState
-
-    for prompt, ref in zip(PROMPTS, ar_outputs):
-        client = CountingClient(_client(engines, "strong"))
-        n = N_TOKENS - 1  # not a multiple of either step count: the last round is cut to fit
-        ids = codec.encode_prompt(prompt)
-        out, g = asyncio.run(_generate(client, ids, DecodeConfig(mode="ar"), n=n, seq="steps",
-                                       shared=SharedState(ar_steps=steps)))
-        assert out == ref[:n]
-        asked = [s for what, s, _ in client.log if what == "verify"]
-        got = [t for what, _, t in client.log if what == "verify"]
-        assert asked[0] == 1  # the prefill's call is a single step
-        assert sum(got) == n  # no call decodes past max_tokens
-        # a call stops early only after an end token (take() itself goes on past them)
-        ends = sum(t in engines["target"].eos_ids for t in ref[1:n - 1])
-        assert 1 + -(-(n - 1) // steps) <= len(asked) <= 1 + -(-(n - 1) // steps) + ends
-        assert g.stats.rounds == n - 1 and g.stats.tokens_per_round == [1] * (n - 1)
-
-
-def test_ar_steps_sample_as_one_step_rounds(engines, codec):
-    """Sampled AR: step s of a round samples with round + s's randomness, so a seed gives the same
-    tokens whatever ar_steps is."""
-    from ssd.algorithm.sampling import SamplingParams
-    from ssd.decoding.generator import DecodeConfig, SharedState
-
-    ids = codec.encode_prompt(PROMPTS[2])
-    outs = [asyncio.run(_generate(_client(engines, "strong"), ids, DecodeConfig(mode="ar"), seq="sampled",
-                                  params=SamplingParams(1.0), seed=7, shared=SharedState(ar_steps=s)))[0]
-            for s in (1, 3, 8)]
-    assert outs[0] == outs[1] == outs[2]
-    assert outs[0] != asyncio.run(_generate(_client(engines, "strong"), ids, DecodeConfig(mode="ar"), seq="sampled",
-                                            params=SamplingParams(1.0), seed=8))[0]
-
-
-def test_target_steps_stop_at_an_end_token_and_batch_with_verifies(engines, codec, ar_outputs):
-    """In one batched call: an AR call of 8 steps stops right after an end-of-sequence token, and
-    a verify of a draft beside it gets what it gets alone."""
-    from ssd.workers.protocol import VerifyCall
-    from ssd.workers.target import TargetWorker
-
-    target = engines["target"]
-    worker = TargetWorker(target)
-    ids, ref = codec.encode_prompt(PROMPTS[0]), ar_outputs[0]
-    other, ref2 = codec.encode_prompt(PROMPTS[1]), ar_outputs[1]
-    draft = ref2[1:4] + [ref2[4] + 1]  # three right, then a wrong one
-    alone = worker.verify([VerifyCall("b", other + ref2[:1], draft)])[0]
-    eos = target.eos_ids
-    try:
-        target.eos_ids = eos | {ref[3]}
-        a, b = worker.verify([VerifyCall("a", ids, [], steps=8), VerifyCall("b", other + ref2[:1], draft)])
-    finally:
-        target.eos_ids = eos
-        worker.release("a")
-        worker.release("b")
-    assert a.decoded + [a.token] == ref[:4]
-    assert (b.accepted, b.token, b.decoded) == (alone.accepted, alone.token, []) == (3, ref2[4], [])
