@@ -79,6 +79,57 @@ def test_row_logits_do_not_depend_on_row_count_batch_or_threads(llama, prompt_id
         llama.set_threads(1)
 
 
+def test_forwards_pack_consecutive_streams_with_equal_rows():
+    """llama.cpp runs a batch over several KV streams as one graph only for consecutive, ascending
+    streams with the same number of rows each; the packing builds exactly such forwards."""
+    from ssd.engine.llamacpp_engine import Slot, pack_forwards
+
+    def seq(index, n):
+        slot = Slot(index)
+        return [(index, slot, p, 100 + p, True) for p in range(n)]
+
+    per_sequence = [seq(5, 1), seq(2, 1), seq(3, 1), seq(4, 3), seq(9, 1), seq(10, 2)]
+    forwards = pack_forwards(per_sequence, 3)
+    assert [[(r[1].index, r[2]) for r in f] for f in forwards] == [
+        [(2, 0), (3, 0), (4, 0)], [(4, 1), (5, 0)], [(4, 2)], [(9, 0), (10, 0)], [(10, 1)]]
+    for limit in (1, 3, 7):
+        forwards = pack_forwards(per_sequence, limit)
+        assert sorted(r[1].index * 10 + r[2] for f in forwards for r in f) == sorted(
+            r[1].index * 10 + r[2] for q in per_sequence for r in q)
+        for f in forwards:
+            streams = sorted({r[1].index for r in f})
+            assert len(f) <= limit and streams == list(range(streams[0], streams[-1] + 1))
+            assert len({sum(r[1].index == s for r in f) for s in streams}) == 1
+        for q in per_sequence:  # a sequence's rows in order
+            order = [r[2] for f in forwards for r in f if r[1] is q[0][1]]
+            assert order == sorted(order)
+
+
+def test_sequences_decoded_together_keep_their_bits(llama, prompt_ids):
+    """One-row steps of several sequences in one forward (their streams consecutive, as the engine
+    allocates them) give each sequence the logits it gets alone."""
+    from ssd.engine.engine import ExtendCall
+
+    starts = [len(prompt_ids) - 12, len(prompt_ids) - 10, len(prompt_ids) - 8]
+    refs = [_one_at_a_time(llama, f"alone{k}", prompt_ids[k:], s - k) for k, s in enumerate(starts)]
+    for k in range(3):
+        llama.release(f"alone{k}")
+    for k, s in enumerate(starts):
+        llama.extend([ExtendCall(f"t{k}", prompt_ids[k:s], 1)])
+    streams = sorted(llama.sequences[f"t{k}"].index for k in range(3))
+    assert streams == list(range(streams[0], streams[0] + 3))  # the lowest free streams
+    got = [[] for _ in starts]
+    for step in range(5):  # all three one row each, then mixed row counts
+        rows = [1, 1, 1] if step < 3 else [2, 1, 2]
+        outs = llama.extend([ExtendCall(f"t{k}", prompt_ids[k:s + sum(o.shape[0] for o in got[k]) + r], r)
+                             for (k, s), r in zip(enumerate(starts), rows)])
+        for k, o in enumerate(outs):
+            got[k].append(o)
+    for k in range(3):
+        assert torch.equal(torch.cat(got[k]), refs[k][: sum(o.shape[0] for o in got[k])])
+        llama.release(f"t{k}")
+
+
 def test_the_load_check_sees_the_kernel_switch(llama):
     """The engine runs as many rows a forward as its load-time check allowed; one row more, where
     llama.cpp switches kernels, fails the same check (the negative control)."""

@@ -40,6 +40,32 @@ LOGIT_ROW_CHOICES = (7, 3, 1)  # logit rows per llama_decode: below the tiled ke
 DRAFT_HEADROOM = 64  # cells past max_len: a verify's draft rows may run past the longest sequence
 
 
+def pack_forwards(per_sequence: list[list[tuple]], limit: int) -> list[list[tuple]]:
+    """Groups sequences' logit rows into forwards llama.cpp runs as one graph: at most ``limit`` rows,
+    the same number from each sequence, the sequences' streams consecutive and ascending. llama.cpp
+    splits any other batch across KV streams into one forward per run of such sequences, so
+    three one-row sequences on streams 4, 9 and 2 would cost three forwards instead of one.
+    Each sequence's rows keep their order; rows are (call index, slot, position, token, logits?)."""
+    queues = sorted((list(q) for q in per_sequence if q), key=lambda q: q[0][1].index)
+    forwards = []
+    while queues:
+        best = None
+        for r in range(1, min(limit, len(queues[0])) + 1):  # r rows from each sequence of a run
+            run = [queues[0]]
+            for q in queues[1:]:
+                if (len(run) + 1) * r > limit or q[0][1].index != run[-1][0][1].index + 1 or len(q) < r:
+                    break
+                run.append(q)
+            if best is None or len(run) * r > best[0] * best[1]:
+                best = (len(run), r)
+        n, r = best
+        forwards.append([row for q in queues[:n] for row in q[:r]])
+        for q in queues[:n]:
+            del q[:r]
+        queues = [q for q in queues if q]
+    return forwards
+
+
 def _llama():
     import llama_cpp
     from llama_cpp import _logger
@@ -146,7 +172,7 @@ class LlamaCppEngine:
                 if not candidates:
                     raise RuntimeError(f"more than max_sequences ({self.max_sequences}) sequences in one call")
                 self.release(min(candidates, key=lambda k: self.sequences[k].last_used))
-            s = Slot(self.free.pop())
+            s = Slot(self.free.pop(self.free.index(min(self.free))))  # the lowest: streams stay contiguous
             self.sequences[seq_id] = s
         s.last_used = time.monotonic()
         return s
@@ -178,7 +204,7 @@ class LlamaCppEngine:
             return [x for i in range(0, len(calls), self.max_sequences)
                     for x in self.extend(calls[i:i + self.max_sequences])]
         keep = {c.seq_id for c in calls}
-        context, logit_rows = [], []  # context: per sequence; rows: (call index, slot, position, token, logits?)
+        context, logit_rows = [], []  # per sequence: (call index, slot, position, token, logits?)
         for i, c in enumerate(calls):
             if not c.tokens:
                 raise ValueError("tokens must not be empty")
@@ -193,16 +219,16 @@ class LlamaCppEngine:
             s.tokens = list(c.tokens[:start])
             if start < first_logit:
                 context.append([(i, s, p, c.tokens[p], False) for p in range(start, first_logit)])
-            logit_rows += [(i, s, p, c.tokens[p], True) for p in range(first_logit, len(c.tokens))]
+            logit_rows.append([(i, s, p, c.tokens[p], True) for p in range(first_logit, len(c.tokens))])
         out: list[list[np.ndarray]] = [[] for _ in calls]
         for rows in context:  # one sequence's context rows at a time: their forwards never depend on the batch
             for lo in range(0, len(rows), N_BATCH):
                 self._decode(rows[lo:lo + N_BATCH], out)
         t0 = time.perf_counter()
-        for lo in range(0, len(logit_rows), self.logit_rows):
-            self._decode(logit_rows[lo:lo + self.logit_rows], out)
+        for rows in pack_forwards(logit_rows, self.logit_rows):
+            self._decode(rows, out)
         # the cost curve prices a call's decode and verify rows; context rows (prefills) take other kernels
-        self.timing.append((len(logit_rows), time.perf_counter() - t0))
+        self.timing.append((sum(map(len, logit_rows)), time.perf_counter() - t0))
         for c in calls:
             self.sequences[c.seq_id].tokens = list(c.tokens)
         return [torch.from_numpy(np.stack(o)) for o in out]
