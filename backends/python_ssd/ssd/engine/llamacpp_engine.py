@@ -22,6 +22,7 @@ Why these settings (docs/cpu_engine.md has the measurements):
 """
 from __future__ import annotations
 
+import heapq
 import json
 import os
 import time
@@ -126,7 +127,7 @@ class LlamaCppEngine:
         self.exact = exact
         self.folder = folder
         self.sequences: dict[str, Slot] = {}
-        self.free = list(range(self.max_sequences))
+        self.free = list(range(self.max_sequences))  # a heap: a new sequence takes the lowest free stream
         self.timing: list[tuple[int, float]] = []
         self._thread_check: dict[int, bool] = {}
         self.logit_rows = N_BATCH
@@ -172,7 +173,7 @@ class LlamaCppEngine:
                 if not candidates:
                     raise RuntimeError(f"more than max_sequences ({self.max_sequences}) sequences in one call")
                 self.release(min(candidates, key=lambda k: self.sequences[k].last_used))
-            s = Slot(self.free.pop(self.free.index(min(self.free))))  # the lowest: streams stay contiguous
+            s = Slot(heapq.heappop(self.free))  # the lowest: the live streams stay consecutive (pack_forwards)
             self.sequences[seq_id] = s
         s.last_used = time.monotonic()
         return s
@@ -181,7 +182,7 @@ class LlamaCppEngine:
         s = self.sequences.pop(seq_id, None)
         if s is not None:
             self.L.llama_memory_seq_rm(self.memory, s.index, 0, -1)
-            self.free.append(s.index)
+            heapq.heappush(self.free, s.index)
 
     def cached_tokens(self, seq_id: str) -> list[int]:
         s = self.sequences.get(seq_id)
