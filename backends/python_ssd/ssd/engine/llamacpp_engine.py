@@ -38,6 +38,7 @@ from .meta import engine_meta
 GGUF_NAME = "model.gguf"
 N_BATCH = 512  # context rows per llama_decode: longer prefills run in chunks
 LOGIT_ROW_CHOICES = (7, 3, 1)  # logit rows per llama_decode: below the tiled kernels (8), the 4-row GEMM (4)
+ROW_PROBES = ((16, 7919), (23, 104729), (37, 15485863), (50, 32452843))  # (prefix length, token stride)
 DRAFT_HEADROOM = 64  # cells past max_len: a verify's draft rows may run past the longest sequence
 
 
@@ -150,18 +151,27 @@ class LlamaCppEngine:
 
     def _rows_keep_bits(self, n: int) -> bool:
         """Whether n rows in one forward get the logits they get one at a time (llama.cpp's kernel
-        choice by row count is internal to the library: checked, not assumed)."""
-        ids = [(7919 * i) % (self.vocab_size - 10) + 10 for i in range(16 + n)]
+        choice by row count is internal to the library: checked, not assumed). Several probes: where
+        two kernels round differently, some inputs still give equal bits (on AVX2, about one in six
+        4-row forwards), so one probe can pass a row count that changes other rows."""
+        saved = self.logit_rows
+        try:
+            return all(self._probe_keeps_bits(n, prefix, step) for prefix, step in ROW_PROBES)
+        finally:
+            self.logit_rows = saved
+            self.timing.clear()
+
+    def _probe_keeps_bits(self, n: int, prefix: int, step: int) -> bool:
+        ids = [(step * i) % (self.vocab_size - 10) + 10 for i in range(prefix + n)]
         probe = "__rows_probe"
         self.logit_rows = 1
-        self.extend([ExtendCall(probe, ids[:16], 1)])
-        one = torch.cat([self.extend([ExtendCall(probe, ids[: 16 + i + 1], 1)])[0] for i in range(n)])
+        self.extend([ExtendCall(probe, ids[:prefix], 1)])
+        one = torch.cat([self.extend([ExtendCall(probe, ids[: prefix + i + 1], 1)])[0] for i in range(n)])
         self.release(probe)
         self.logit_rows = n
-        self.extend([ExtendCall(probe, ids[:16], 1)])
+        self.extend([ExtendCall(probe, ids[:prefix], 1)])
         together = self.extend([ExtendCall(probe, ids, n)])[0]
         self.release(probe)
-        self.timing.clear()
         return torch.equal(one, together)
 
     # -- sequences -----------------------------------------------------------------------------------
