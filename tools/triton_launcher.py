@@ -159,14 +159,19 @@ class TritonServer:
             return False
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
-        os.killpg(self.proc.pid, signal.SIGINT)  # graceful: Triton unloads models, stubs exit
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)  # graceful: Triton unloads models, stubs exit
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        try:  # a tritonserver that crashed leaves its Python stubs running, holding cores and memory
             os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        except ProcessLookupError:
+            pass
 
     def __enter__(self) -> "TritonServer":
         return self.start()
