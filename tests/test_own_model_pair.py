@@ -117,6 +117,13 @@ def test_local_pair_builds_and_serves(checkpoints, tmp_path):
         with urllib.request.urlopen(req, timeout=300) as resp:
             chat = json.loads(resp.read())
         assert chat["choices"][0]["message"]["content"] == ar["text_output"]
+
+        # tritonserver dying on its own (a crash) ends serve.py with a non-zero code a supervisor acts on
+        pid = int(subprocess.run(["pgrep", "-f", f"tritonserver.*--http-port={http} "], capture_output=True,
+                                 text=True).stdout.split()[0])
+        os.kill(pid, signal.SIGKILL)
+        rest, _ = serve.communicate(timeout=120)
+        assert serve.returncode != 0 and "tritonserver exited with code -9" in rest, rest
     finally:
         serve.send_signal(signal.SIGINT)
         try:

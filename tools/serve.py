@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -83,6 +84,8 @@ def main() -> None:
             frontend.stop()
         server.stop()
         print("[serve] stopped", flush=True)
+    if not stop["now"]:  # tritonserver died on its own: a non-zero exit lets a supervisor (systemd, k8s) restart it
+        sys.exit(f"[serve] tritonserver exited with code {server.proc.returncode}; see {server.log_file}")
 
 
 if __name__ == "__main__":
