@@ -112,9 +112,7 @@ def test_sequences_decoded_together_keep_their_bits(llama, prompt_ids):
 
     starts = [len(prompt_ids) - 12, len(prompt_ids) - 10, len(prompt_ids) - 8]
     refs = [_one_at_a_time(llama, f"alone{k}", prompt_ids[k:], s - k) for k, s in enumerate(starts)]
-    for k in range(3):
-        llama.release(f"alone{k}")
-    for seq in list(llama.sequences):  # what earlier tests left
+    for seq in list(llama.sequences):  # the references' and what earlier tests left
         llama.release(seq)
     for k, s in enumerate(starts):
         llama.extend([ExtendCall(f"t{k}", prompt_ids[k:s], 1)])

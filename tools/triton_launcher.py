@@ -166,12 +166,14 @@ class TritonServer:
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        try:  # a tritonserver that crashed leaves its Python stubs running, holding cores and memory
+                pass
+        # what is left of the group: a server past its grace period, or the Python stubs of one that
+        # crashed, which keep running with their cores and memory
+        try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        self.proc.wait()
 
     def __enter__(self) -> "TritonServer":
         return self.start()

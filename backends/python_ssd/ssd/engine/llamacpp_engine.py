@@ -167,9 +167,8 @@ class LlamaCppEngine:
         self.logit_rows = 1
         self.extend([ExtendCall(probe, ids[:prefix], 1)])
         one = torch.cat([self.extend([ExtendCall(probe, ids[: prefix + i + 1], 1)])[0] for i in range(n)])
-        self.release(probe)
+        self.truncate(probe, prefix)  # the same prefix KV under both
         self.logit_rows = n
-        self.extend([ExtendCall(probe, ids[:prefix], 1)])
         together = self.extend([ExtendCall(probe, ids, n)])[0]
         self.release(probe)
         return torch.equal(one, together)
