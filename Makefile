@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # minutes; tools/llamacpp/install_llama_cpp_python.sh says why), then this repository's packages
 # (ssd, ssd_tools, ssd_loadtest, ssd_openai; see pyproject.toml) installed editable, so every script
 # and test imports them by name.
-$(STAMP): requirements.txt pyproject.toml tools/llamacpp/install_llama_cpp_python.sh
+$(STAMP): requirements.txt pyproject.toml tools/llamacpp/install_llama_cpp_python.sh $(wildcard tools/llamacpp/patches/*.patch)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip==24.3.1
 	$(PY) -m pip install -q -r requirements.txt

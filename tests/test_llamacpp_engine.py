@@ -1,5 +1,6 @@
 """The llama.cpp target engine (real llama.cpp from the pinned llama-cpp-python, built without
-llamafile and repacking; SmolLM2-135M requantized to Q4_K_M, the default target's format).
+llamafile and with the repacked Q4_K GEMV patched to sum like the GEMM; SmolLM2-135M requantized to
+Q4_K_M, the default target's format).
 
 A row's logits are bit-identical whatever shares its call (1 to 24 rows: below and above the row
 count where llama.cpp's tiled K-quant kernels take over, other sequences, prefills) and at 1 or 2

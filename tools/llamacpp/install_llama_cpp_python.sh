@@ -4,10 +4,12 @@
 #
 #   PYTHON=.venv/bin/python bash tools/llamacpp/install_llama_cpp_python.sh
 #
-# Built with GGML_LLAMAFILE=OFF and GGML_CPU_REPACK=OFF: the llamafile GEMMs and the repacked
-# weight layouts tile a forward's rows differently by row count, so a row's logits would depend on
-# how many rows share its forward; without them a row is computed the same way in a 1-row step and
-# in a verify (the engine checks this at load). Skipped when the installed build has these options.
+# The engine needs a row's logits to be the same whatever else shares its forward (docs/cpu_engine.md):
+# - GGML_LLAMAFILE=OFF: the llamafile GEMMs tile a forward's rows by their count;
+# - repacked weights stay on (their one-row GEMV is llama.cpp's fastest decode kernel), with
+#   patches/*.patch applied to the vendored llama.cpp: the Q4_K GEMV adds its sums in the order of the
+#   4-row GEMM, so the two kernels give a row the same bits.
+# The engine checks the result at load. Skipped when the installed build has these options and patches.
 set -euo pipefail
 
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
@@ -16,15 +18,33 @@ PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 source "$ROOT/tools/llamacpp/cpu_options.sh"
 OPTS=(-DGGML_LLAMAFILE=OFF -DGGML_CPU_REPACK=ON -DGGML_OPENMP=ON "${GGML_CPU_OPTIONS[@]}"
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAVA_BUILD=OFF)
+PATCHES=("$ROOT"/tools/llamacpp/patches/*.patch)
+PATCH_SUM="$(cat "${PATCHES[@]}" | sha256sum | cut -c1-16)"
 SITE="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 STAMP="$SITE/llama_cpp/.ssd_build_options"
-if [ "$(cat "$STAMP" 2>/dev/null)" = "$VERSION ${OPTS[*]}" ]; then
+WANT="$VERSION ${OPTS[*]} patches:$PATCH_SUM"
+if [ "$(cat "$STAMP" 2>/dev/null)" = "$WANT" ]; then
   exit 0
 fi
-echo "[llama-cpp-python] building $VERSION from source: ${OPTS[*]}" >&2
+
+# The sdist is shared with build_llama_server.sh (the unpatched llama.cpp peer).
+CACHE="$ROOT/build/llama.cpp-$VERSION"
+SDIST="$CACHE/llama_cpp_python-$VERSION.tar.gz"
+if [ ! -f "$SDIST" ]; then
+  mkdir -p "$CACHE"
+  "$PYTHON" -m pip download -q --no-binary :all: --no-deps -d "$CACHE" "llama-cpp-python==$VERSION" >&2
+fi
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+tar -xzf "$SDIST" -C "$WORK"
+SRC="$WORK/llama_cpp_python-$VERSION"
+for p in "${PATCHES[@]}"; do
+  (cd "$SRC" && git apply "$p")
+done
+
+echo "[llama-cpp-python] building $VERSION from source with $(basename -a "${PATCHES[@]}" | tr '\n' ' '): ${OPTS[*]}" >&2
 t0=$(date +%s)
 CMAKE_ARGS="${OPTS[*]}" CMAKE_BUILD_PARALLEL_LEVEL="${JOBS:-$(nproc)}" \
-  "$PYTHON" -m pip install -q --no-cache-dir --no-binary llama-cpp-python --no-deps --force-reinstall \
-  "llama-cpp-python==$VERSION" >&2
-echo "$VERSION ${OPTS[*]}" > "$STAMP"
+  "$PYTHON" -m pip install -q --no-cache-dir --no-deps --force-reinstall "$SRC" >&2
+echo "$WANT" > "$STAMP"
 echo "[llama-cpp-python] built in $(( $(date +%s) - t0 )) s" >&2

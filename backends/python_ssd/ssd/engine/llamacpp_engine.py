@@ -5,12 +5,14 @@ batches of sequences, threads per call) on llama.cpp, reading the GGUF file the 
 Why these settings (docs/cpu_engine.md has the measurements):
 - A row's logits must not depend on how many rows share its forward (a verify of K + 1 rows must
   give the bits of K + 1 one-row steps). llama.cpp picks its kernel by the number of rows in a
-  product: with repacked weights (interleaved for SIMD) a GEMV for fewer than 4 rows and a 4-row GEMM
-  above; without, a row-by-row dot product below 8 rows and tiled kernels from 8 on; they round
-  differently. So an exact engine runs the rows whose logits it returns (every decode and verify
-  row, hence every generated token) in forwards of at most `logit_rows` rows, all sequences'
-  together: the largest of LOGIT_ROW_CHOICES for which a load-time check finds the rows' logits equal
-  to one-row forwards (3 with repacked weights). One kernel for every such row, at 1 and 2 threads.
+  product: for the repacked Q4_K weights (interleaved for SIMD) a GEMV for fewer than 4 rows and a
+  4-row GEMM above, which give a row the same bits once the GEMV adds its sums in the GEMM's order
+  (tools/llamacpp/patches); for the other K-quants (Q6_K) a row-by-row dot product below 8 rows and
+  tiled kernels from 8 on, which round differently. So an exact engine runs the rows whose logits it
+  returns (every decode and verify row, hence every generated token) in forwards of at most
+  `logit_rows` rows, all sequences' together: the largest of LOGIT_ROW_CHOICES for which a load-time
+  check finds the rows' logits equal to one-row forwards (7 with the patched build, 3 without it).
+  The same bits at 1 and 2 threads: threads split a product's outputs, never a sum.
 - A call's context rows (a prompt's, before its last token) run per sequence in forwards of up to
   N_BATCH rows, where the GEMM kernels make a prefill several times cheaper a row; they are the same
   rows in the same forwards in every mode and batch, so they too give the same bits.
@@ -37,7 +39,7 @@ from .meta import engine_meta
 
 GGUF_NAME = "model.gguf"
 N_BATCH = 512  # context rows per llama_decode: longer prefills run in chunks
-LOGIT_ROW_CHOICES = (7, 3, 1)  # logit rows per llama_decode: below the tiled kernels (8), the 4-row GEMM (4)
+LOGIT_ROW_CHOICES = (7, 3, 1)  # logit rows per llama_decode: below the tiled kernels (8), the unpatched 4-row GEMM (4)
 ROW_PROBES = ((16, 7919), (23, 104729), (37, 15485863), (50, 32452843))  # (prefix length, token stride)
 DRAFT_HEADROOM = 64  # cells past max_len: a verify's draft rows may run past the longest sequence
 
@@ -95,7 +97,7 @@ class LlamaCppEngine:
         L.llama_backend_init()
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = 0
-        mp.use_extra_bufts = True  # repacked weights: a faster one-row GEMV and prefill GEMM
+        mp.use_extra_bufts = True  # repacked weights: a faster one-row GEMV and multi-row GEMM
         # Read, not memory-mapped: the repacked tensors are copies, and a mapping keeps the file's pages
         # of them resident beside the copies (0.6 GB of the 1.5B target's RSS).
         mp.load_mode = L.LLAMA_LOAD_MODE_NONE
