@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -130,17 +133,21 @@ def test_sequences_decoded_together_keep_their_bits(llama, prompt_ids):
         llama.release(f"t{k}")
 
 
-def test_the_load_check_sees_the_kernel_switch(llama):
-    """The engine runs as many rows a forward as its load-time check allowed; one row more, where
-    llama.cpp switches kernels, fails the same check (the negative control)."""
+def test_the_load_check_sees_the_kernel_switch(llama, llama_target):
+    """The engine runs as many rows a forward as its load-time check allowed (all its choices with
+    the patched GEMV and the tiled kernels off). With llama.cpp's tiled K-quant kernels on, which take
+    products of 8 rows and more, the same check stops at 7 and refuses 8 (the negative control)."""
     from ssd.engine.llamacpp_engine import LOGIT_ROW_CHOICES
 
-    own = llama.logit_rows
-    assert own in LOGIT_ROW_CHOICES and own > 1
-    try:
-        assert not llama._rows_keep_bits(own + 1)
-    finally:
-        llama.logit_rows = own
+    assert llama.logit_rows == LOGIT_ROW_CHOICES[0]
+    probe = (
+        "import sys; from ssd.engine.llamacpp_engine import LlamaCppEngine\n"
+        "e = LlamaCppEngine(sys.argv[1], threads=1, max_sequences=2, max_len=256)\n"
+        "print(e.logit_rows, e._rows_keep_bits(8))\n")
+    env = dict(os.environ, GGML_CPU_TILED_MM="1")
+    out = subprocess.run([sys.executable, "-c", probe, str(llama_target)], env=env, check=True,
+                         capture_output=True, text=True, timeout=600).stdout.split()
+    assert out[-2:] == ["7", "False"]
 
 
 def test_rollback_and_eviction_recompute_the_same_bits(llama, prompt_ids):
