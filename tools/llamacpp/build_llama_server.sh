@@ -31,12 +31,8 @@ if [ -x "$BIN" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "${OPTS[*]}" ]; then
   exit 0
 fi
 
-mkdir -p "$OUT"
-SDIST="$OUT/llama_cpp_python-$VERSION.tar.gz"
-if [ ! -f "$SDIST" ]; then
-  echo "[llama-server] downloading the llama-cpp-python==$VERSION sdist from PyPI" >&2
-  "$PYTHON" -m pip download -q --no-binary :all: --no-deps -d "$OUT" "llama-cpp-python==$VERSION" >&2
-fi
+source "$ROOT/tools/llamacpp/sdist.sh"
+SDIST="$(llama_sdist "$VERSION" "$PYTHON")"
 SRC="$OUT/llama_cpp_python-$VERSION/vendor/llama.cpp"
 if [ ! -f "$SRC/CMakeLists.txt" ]; then
   tar -xzf "$SDIST" -C "$OUT" "llama_cpp_python-$VERSION/vendor/llama.cpp"

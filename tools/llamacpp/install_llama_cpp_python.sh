@@ -27,13 +27,8 @@ if [ "$(cat "$STAMP" 2>/dev/null)" = "$WANT" ]; then
   exit 0
 fi
 
-# The sdist is shared with build_llama_server.sh (the unpatched llama.cpp peer).
-CACHE="$ROOT/build/llama.cpp-$VERSION"
-SDIST="$CACHE/llama_cpp_python-$VERSION.tar.gz"
-if [ ! -f "$SDIST" ]; then
-  mkdir -p "$CACHE"
-  "$PYTHON" -m pip download -q --no-binary :all: --no-deps -d "$CACHE" "llama-cpp-python==$VERSION" >&2
-fi
+source "$ROOT/tools/llamacpp/sdist.sh"
+SDIST="$(llama_sdist "$VERSION" "$PYTHON")"
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 tar -xzf "$SDIST" -C "$WORK"
