@@ -64,7 +64,13 @@ def by_label(before: dict, after: dict, name: str, label: str | None = None, **m
 def start_server(a):
     """The server of a sweep or soak run here: the --tiny CI engines or --config's pair, split layout."""
     pair = tiny_pair() if a.tiny else config_pair(a.config, a.engine_root)
-    srv = start_pair(pair, "loadtest", "split", {"max_active_requests": a.max_active})
+    params = {"max_active_requests": a.max_active}
+    for item in getattr(a, "param", []):
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--param: expected NAME=VALUE (a parameter of the ssd model), got {item!r}")
+        params[name] = value
+    srv = start_pair(pair, "loadtest", "split", params)
     return srv, f"http://{srv.http_url}", f"http://{srv.address}:{srv.metrics_port}/metrics"
 
 
@@ -175,6 +181,9 @@ def main() -> None:
     ap.add_argument("--datasets", default="humaneval,gsm8k,mtbench")
     ap.add_argument("--prompts-per-dataset", type=int, default=16)
     ap.add_argument("--max-active", type=int, default=64, help="max_active_requests of a server started here")
+    ap.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                    help="a parameter of the ssd model of a server started here (ServerConfig), e.g. "
+                         "force_mode=ar@wide; repeatable")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "loadtest")
     a = ap.parse_args()
     a.run_seconds = _seconds(a.run_time)
