@@ -83,6 +83,26 @@ def test_row_logits_do_not_depend_on_row_count_batch_or_threads(llama, prompt_id
         llama.set_threads(1)
 
 
+def test_prompts_are_timed_apart_from_logit_rows(llama, prompt_ids):
+    """A call's context rows (a prompt) are reported as 0 rows, which the cost curves skip and the
+    target worker hands to every call of the message as prompt_seconds."""
+    from ssd.engine.engine import ExtendCall
+    from ssd.workers.protocol import VerifyCall
+    from ssd.workers.target import TargetWorker
+
+    llama.take_timing()
+    llama.extend([ExtendCall("p", prompt_ids, 2)])
+    timing = llama.take_timing()
+    assert [rows for rows, _ in timing] == [0, 2] and all(s > 0 for _, s in timing)
+    out = TargetWorker(llama).verify([VerifyCall("p", prompt_ids + [5], [6]), VerifyCall("q", prompt_ids, [])])
+    assert out[0].prompt_seconds > 0 and out[0].prompt_seconds == out[1].prompt_seconds  # "q" prefilled
+    assert 0 not in [rows for rows, _ in out[0].timing[1:]] and out[0].timing[0][0] == 0
+    out = TargetWorker(llama).verify([VerifyCall("p", prompt_ids + [5, 7], [])])
+    assert out[0].prompt_seconds == 0  # decode rows only
+    llama.release("p")
+    llama.release("q")
+
+
 def test_forwards_pack_consecutive_streams_with_equal_rows():
     """llama.cpp runs a batch over several KV streams as one graph only for consecutive, ascending
     streams with the same number of rows each; the packing builds exactly such forwards."""

@@ -51,6 +51,17 @@ def test_a_round_right_after_a_costly_switch_is_left_out():
     assert s.records[(SD, bucket(1))].weight == 1.0
 
 
+def test_a_round_is_charged_its_own_seconds_not_the_prompts_it_waited_for():
+    """A new request's prefill batched with a round's verify delays the round whatever its choice:
+    the record keeps the round's tokens over its wall time less the prompt's seconds."""
+    from dataclasses import replace
+
+    s = measured_scheduler(discount=1.0)
+    s.observe(replace(record(AR, 1, 2.5), prompt_seconds=2.0))
+    r = s.records[(AR, bucket(1))]
+    assert abs(r.tokens / r.seconds - 2.0) < 1e-9
+
+
 def test_explores_what_could_win_and_settles_on_the_fastest():
     """True rates unlike the prior's ranking: SD runs fastest. The batch tries the close choices,
     settles on SD, and spends few rounds on AR (far below it)."""

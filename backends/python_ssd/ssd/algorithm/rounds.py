@@ -69,6 +69,12 @@ class RoundRecord:
     fanout_at_outcome: int = 0  # branches pre-drafted at the accepted depth (the fan-out fit)
     after_switch: bool = False  # the request's first round after a costly change of choice
     steps: int = 1  # target steps it took: an AR round may decode several tokens in one call
+    prompt_seconds: float = 0.0  # of ``seconds``, the target's work on new requests' prompts batched with it
+
+    @property
+    def own_seconds(self) -> float:
+        """What the round's choice cost: its wall time less the prompts it waited for."""
+        return max(self.seconds - self.prompt_seconds, 1e-6)
 
     @property
     def accepted(self) -> int:

@@ -162,7 +162,8 @@ class Scheduler:
             return
         key = (Choice(rec.choice), bucket(rec.batch))
         r = self.records[key] = self.records.get(key, Discounted()).decayed(self.rounds, self.cfg.discount)
-        r.add(rec.tokens, rec.seconds, 1.0 / max(rec.batch, 1))
+        r.add(rec.tokens, rec.own_seconds, 1.0 / max(rec.batch, 1))
         if self.trace:
             self.trace({"ev": "round", "choice": rec.choice.value, "batch": rec.batch, "k": rec.k,
-                        "tokens": rec.tokens, "s": round(rec.seconds, 4), "source": rec.source})
+                        "tokens": rec.tokens, "s": round(rec.seconds, 4), "prompt_s": round(rec.prompt_seconds, 4),
+                        "source": rec.source})

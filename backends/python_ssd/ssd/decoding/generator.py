@@ -173,6 +173,7 @@ class Generation:
                 target_timing=tuple(map(tuple, r.timing)),
                 drafter_timing=tuple(map(tuple, list(draft.timing) + list(spec.timing if spec else []))),
                 verify_seconds=t_verify, speculate_seconds=t_spec, draft_seconds=t_draft,
+                prompt_seconds=min(r.prompt_seconds, t_verify),
                 ngram_accepted=_agreeing(guess, block), ngram_drafted=max(len(guess), 1),
                 fanout_at_outcome=fanout[r.accepted] if spec is not None and r.accepted < len(fanout) else 0,
                 after_switch=self.last_choice is not None and self.last_choice != d.choice

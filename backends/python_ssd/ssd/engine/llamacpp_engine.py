@@ -240,9 +240,12 @@ class LlamaCppEngine:
                 context.append([(i, s, p, c.tokens[p], False) for p in range(start, first_logit)])
             logit_rows.append([(i, s, p, c.tokens[p], True) for p in range(first_logit, len(c.tokens))])
         out: list[list[np.ndarray]] = [[] for _ in calls]
+        t0 = time.perf_counter()
         for rows in context:  # one sequence's context rows at a time: their forwards never depend on the batch
             for lo in range(0, len(rows), N_BATCH):
                 self._decode(rows[lo:lo + N_BATCH], out)
+        if context:  # prompts: 0 rows, which the cost curves skip (workers/target.py reports them apart)
+            self.timing.append((0, time.perf_counter() - t0))
         t0 = time.perf_counter()
         for rows in pack_forwards(logit_rows, self.logit_rows):
             self._decode(rows, out)

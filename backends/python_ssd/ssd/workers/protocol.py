@@ -33,6 +33,9 @@ class VerifyResult:
     token: int
     decoded: list[int] = field(default_factory=list)  # an AR call of several steps: its tokens before `token`
     timing: list = field(default_factory=list)  # [(rows, seconds)] of the engine's forwards, see below
+    # seconds the call's message spent on prompts (new requests' prefills batched with it): time
+    # the round waited for, whatever its choice
+    prompt_seconds: float = 0.0
 
 
 @dataclass

@@ -41,7 +41,11 @@ class TargetWorker:
             live = [i for i in live if not calls[i].draft and step + 1 < calls[i].steps and out[i].token not in eos]
             if not live:
                 break
-        return attach_timing(out, self.engine.take_timing())
+        timing = self.engine.take_timing()
+        prompts = sum(s for rows, s in timing if rows == 0)  # engines report prompt forwards as 0 rows
+        for r in out:
+            r.prompt_seconds = prompts
+        return attach_timing(out, timing)
 
     def release(self, seq_id: str) -> None:
         self.engine.release(seq_id)
