@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import time
 import uuid
 
@@ -18,6 +19,7 @@ import triton_python_backend_utils as pb_utils
 from ..algorithm.scheduler import Scheduler
 from ..config import ServerConfig
 from ..decoding.admission import BudgetExceeded, KvBudget
+from ..decoding.calibration import calibrate
 from ..decoding.coalescer import CoalescingClient
 from ..decoding.generator import Generation, SharedState
 from ..decoding.stopping import StopChecker
@@ -52,6 +54,7 @@ class OrchestratorModel:
                                        max_window=cfg.coalesce_window_ms / 1000) \
             if cfg.coalesce_window_ms > 0 else BLSClient()
         self.metrics = Metrics()
+        self._calibration: asyncio.Future | None = None  # the engines' costs, measured before the first decode
         self.shared.on_active = self.metrics.set_active  # the gauge follows the one count of decoding requests
         self.kv = KvBudget(cfg.kv_budget_tokens, cfg.kv_wait_s)
         self.required_engine = "target"  # without it nothing decodes; a drafter's absence costs speed only
@@ -139,7 +142,28 @@ class OrchestratorModel:
             self.kv.release(reserve)
             self.metrics.kv_state(self.kv.reserved, self.kv.waiting)
 
+    async def _calibrated(self) -> None:
+        """The first request waits for the engines' costs to be measured (decoding/calibration.py),
+        and so do the requests that arrive meanwhile. Skipped when a forced mode leaves the
+        scheduler nothing to choose."""
+        if self.cfg.force_mode:
+            return
+        if self._calibration is None:
+            self._calibration = asyncio.ensure_future(self._measure_costs())
+        await asyncio.shield(self._calibration)
+
+    async def _measure_costs(self) -> None:
+        batch = self.cfg.max_active_requests
+        if self.cfg.max_verify_rows:  # the largest batch whose two-row verify is one tile
+            batch = max(1, min(batch, self.cfg.max_verify_rows // 2))
+        try:
+            await calibrate(self.client, self.shared.policy.model, self.cfg.wide_threads, batch)
+        except Exception as e:  # noqa: BLE001 - the curves are then learned from the rounds alone
+            print(f"ssd: measuring the engines' costs failed ({type(e).__name__}: {e}); the scheduler "
+                  "learns them from the rounds", file=sys.stderr, flush=True)
+
     async def _decode(self, request, sender, req, prompt) -> None:
+        await self._calibrated()
         seq_id = uuid.uuid4().hex
         gen = Generation(self.client, seq_id, prompt, req.params, req.seed, req.decode, self.shared, req.max_tokens)
         checker = StopChecker(self.codec.decode, req.max_tokens, self.codec.eos_ids, req.stop)

@@ -1,0 +1,57 @@
+"""The engines' forward costs, measured once before the first request decodes.
+
+The scheduler prices every choice from each engine's seconds per forward by rows (StepCost), on
+the split layout and the wide one. Learned from rounds alone, a curve knows only the batch sizes
+that have run: a server that has seen one request prices a 16-sequence verify by extrapolation,
+and under a sudden load its first rounds pick from guesses (SSD rounds of several seconds at 16
+users where an AR round takes half a second). So the first request first runs the shapes decoding
+runs: b sequences of one row (AR and drafter steps) and of two rows (a verify), b up to the
+server's largest batch, on each layout, and feeds their timings to the same curves the rounds feed.
+The sequences are one token long, so no prefill is timed, and are released at once.
+"""
+from __future__ import annotations
+
+from ..algorithm.cost_model import CostModel
+from ..algorithm.sampling import SamplingParams
+from ..workers.protocol import DraftCall, VerifyCall
+
+TOKEN = 100  # any id every vocabulary has; costs do not depend on it
+
+
+def shapes(max_batch: int) -> list[tuple[int, int]]:
+    """(sequences, rows each): powers of two up to ``max_batch`` one row each, then the largest
+    batch at two rows (a verify's shape)."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append((b, 1))
+        b *= 4
+    out.append((max_batch, 1))
+    out.append((max_batch, 2))
+    return out
+
+
+async def calibrate(client, model: CostModel, wide_threads: int, max_batch: int) -> int:
+    """Runs each shape on the target (verify) and the drafter (draft) at the split layout and, where
+    offered, the wide one; returns the number of forwards measured. ``client`` needs ``call_many``
+    (the coalescer is bypassed: these calls are not a round of the batch)."""
+    greedy = SamplingParams(temperature=0.0)
+    measured = 0
+    for threads in (0, wide_threads) if wide_threads > 0 else (0,):
+        target, drafter = (model.target_wide, model.drafter_wide) if threads else (model.target, model.drafter)
+        for b, rows in shapes(max(1, max_batch)):
+            ids = [f"__calibrate_{threads}_{b}_{rows}_{i}" for i in range(b)]
+            try:
+                verify = await client.call_many("verify", [
+                    VerifyCall(s, [TOKEN], [TOKEN] * (rows - 1), greedy, threads=threads) for s in ids])
+                # drafter steps are one row a sequence; its tree rows are priced past the largest batch
+                draft = await client.call_many("draft", [DraftCall(s, [TOKEN], 1, greedy, threads=threads)
+                                                         for s in ids]) if rows == 1 else []
+            finally:
+                for s in ids:
+                    await client.release(s)
+            for curve, results in ((target, verify), (drafter, draft)):
+                if results and not isinstance(results[0], Exception):
+                    for n, seconds in results[0].timing:
+                        curve.observe(n, seconds)
+                        measured += 1
+    return measured

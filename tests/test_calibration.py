@@ -1,0 +1,42 @@
+"""The engines' costs measured before the first decode (decoding/calibration.py), on the CI engines."""
+from __future__ import annotations
+
+import asyncio
+
+from decoding_clients import local_client
+
+
+def test_shapes_reach_the_largest_batch_and_a_verify():
+    from ssd.decoding.calibration import shapes
+
+    assert shapes(16) == [(1, 1), (4, 1), (16, 1), (16, 2)]
+    assert shapes(1) == [(1, 1), (1, 2)]
+    assert shapes(6) == [(1, 1), (4, 1), (6, 1), (6, 2)]
+
+
+def test_calibration_measures_every_curve_at_the_batch_sizes_it_runs_and_frees_its_sequences(engines):
+    from ssd.algorithm.cost_model import CostModel
+    from ssd.decoding.calibration import calibrate
+
+    client = local_client(engines, "strong")
+    model = CostModel()
+    assert not model.known
+    measured = asyncio.run(calibrate(client, model, wide_threads=2, max_batch=4))
+    assert model.known and measured > 0
+    # target: 1, 4 and 8 rows (4 sequences x 2) on each layout; drafter: 1 and 4 rows
+    for curve, rows in ((model.target, {1, 4, 8}), (model.target_wide, {1, 4, 8}),
+                        (model.drafter, {1, 4}), (model.drafter_wide, {1, 4})):
+        assert {round(b[0]) for b in curve.buckets.values()} == rows
+        assert all(b[1] > 0 for b in curve.buckets.values())
+    for name in ("target", "strong"):
+        assert not any(s.startswith("__calibrate") for s in engines[name].sequences)
+
+
+def test_calibration_without_wide_rounds_leaves_the_wide_curves_to_the_rounds(engines):
+    from ssd.algorithm.cost_model import CostModel
+    from ssd.decoding.calibration import calibrate
+
+    model = CostModel()
+    asyncio.run(calibrate(local_client(engines, "strong"), model, wide_threads=0, max_batch=1))
+    assert model.target.known and model.drafter.known
+    assert not model.target_wide.known and not model.drafter_wide.known
