@@ -191,9 +191,11 @@ class TorchEngine:
         sizes = [len(b.tokens) for b in batch]
         # An exact forward with a prefill runs that prefill as one large GEMM, far cheaper per row
         # than the same number of decode rows in invariant tiles: it would teach the cost curve
-        # the wrong price for the rows the policy compares (b and b*(K+1) decode rows), so it is
-        # reported as a prompt's forward (0 rows), which the curves skip.
-        self.timing.append((0 if exact and max(sizes) > TILE else sum(sizes), time.perf_counter() - t0))
+        # the wrong price for the rows the policy compares (b and b*(K+1) decode rows), so skip it.
+        # (Not reported as a prompt's forward either: other sequences' rows share it, and a round
+        # would be charged nothing for them.)
+        if not (exact and max(sizes) > TILE):
+            self.timing.append((sum(sizes), time.perf_counter() - t0))
         return out
 
     def take_timing(self) -> list[tuple[int, float]]:

@@ -42,7 +42,8 @@ class TargetWorker:
             if not live:
                 break
         timing = self.engine.take_timing()
-        prompts = sum(s for rows, s in timing if rows == 0)  # engines report prompt forwards as 0 rows
+        # engines that run prompts in forwards of their own report them as 0 rows (llamacpp_engine.py)
+        prompts = sum(s for rows, s in timing if rows == 0)
         for r in out:
             r.prompt_seconds = prompts
         return attach_timing(out, timing)
