@@ -19,8 +19,9 @@ TOKEN = 100  # any id every vocabulary has; costs do not depend on it
 
 
 def shapes(max_batch: int) -> list[tuple[int, int]]:
-    """(sequences, rows each): powers of two up to ``max_batch`` one row each, then the largest
-    batch at two rows (a verify's shape)."""
+    """(sequences, rows each): 1, 4, 16, ... sequences below ``max_batch`` and ``max_batch`` itself
+    at one row each (the cost curves interpolate between them), then ``max_batch`` at two rows (a
+    verify's shape)."""
     out, b = [], 1
     while b < max_batch:
         out.append((b, 1))
