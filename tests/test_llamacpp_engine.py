@@ -170,6 +170,30 @@ def test_the_load_check_sees_the_kernel_switch(llama, llama_target):
     assert out[-2:] == ["7", "False"]
 
 
+def test_prompts_prefilled_together_keep_their_bits(llama, prompt_ids):
+    """Prompts arriving in one call share forwards (several sequences' context rows in one graph);
+    each gets the logits it gets alone, and a history recomputed in one prefill (eviction) gets the
+    logits of the one-row steps that first built it."""
+    from ssd.engine.engine import ExtendCall
+
+    lengths = (len(prompt_ids), len(prompt_ids) - 9, 40)
+    alone = []
+    for n in lengths:
+        llama.release("solo")
+        alone.append(llama.extend([ExtendCall("solo", prompt_ids[:n], 3)])[0])
+    llama.release("solo")
+    together = llama.extend([ExtendCall(f"p{j}", prompt_ids[:n], 3) for j, n in enumerate(lengths)])
+    for j, (a, t) in enumerate(zip(alone, together)):
+        assert torch.equal(a, t), f"prompt {j} changed its logits when prefilled with others"
+        llama.release(f"p{j}")
+    start = len(prompt_ids) - 30
+    steps = _one_at_a_time(llama, "steps", prompt_ids, start)
+    llama.release("steps")
+    llama.release("once")
+    assert torch.equal(llama.extend([ExtendCall("once", prompt_ids, 4)])[0], steps[-4:])
+    llama.release("once")
+
+
 def test_rollback_and_eviction_recompute_the_same_bits(llama, prompt_ids):
     from ssd.engine.engine import ExtendCall
 

@@ -15,9 +15,10 @@ Why these settings (docs/cpu_engine.md has the measurements):
   the rows' logits equal to one-row forwards (16 with the patched build; 7 with the tiled kernels
   on; 3 on an unpatched build). The same bits at 1 and 2 threads: threads split a product's
   outputs, never a sum.
-- A call's context rows (a prompt's, before its last token) run per sequence in forwards of up to
-  N_BATCH rows, where the GEMM kernels make a prefill several times cheaper a row; they are the same
-  rows in the same forwards in every mode and batch, so they too give the same bits.
+- A call's context rows (a prompt's, before its last token) run in forwards of up to N_BATCH rows,
+  the prompts of a call packed together as logit rows are, where the GEMM kernels make a prefill
+  several times cheaper a row. A row's bits do not depend on its forward (the same kernels), so a
+  prompt prefilled with others, or its history recomputed in one prefill, gives the same bits.
 - The library is built without the llamafile GEMMs (tools/llamacpp/install_llama_cpp_python.sh).
 - Attention sums over a sequence's KV cells in SIMD lanes picked by the cell's index, so a sequence
   must occupy the same cells whatever else is cached: one KV stream per sequence (kv_unified off),
@@ -241,9 +242,8 @@ class LlamaCppEngine:
             logit_rows.append([(i, s, p, c.tokens[p], True) for p in range(first_logit, len(c.tokens))])
         out: list[list[np.ndarray]] = [[] for _ in calls]
         t0 = time.perf_counter()
-        for rows in context:  # one sequence's context rows at a time: their forwards never depend on the batch
-            for lo in range(0, len(rows), N_BATCH):
-                self._decode(rows[lo:lo + N_BATCH], out)
+        for rows in pack_forwards(context, N_BATCH):  # prompts arriving together share forwards
+            self._decode(rows, out)
         if context:  # prompts: 0 rows, which the cost curves skip (workers/target.py reports them apart)
             self.timing.append((0, time.perf_counter() - t0))
         t0 = time.perf_counter()
