@@ -123,9 +123,9 @@ def cycling_shared(order, ks=()):
     from ssd.decoding.generator import SharedState
 
     class CyclingPolicy(Scheduler):
-        def choose(self, batch, k, budget, allowed, seq=None, adaptive_k=False):
+        def choose(self, batch, k, budget, allowed, seq=None, adaptive_k=False, **backlog):
             self.forced_mode = order[self.rounds % len(order)]
-            d = super().choose(batch, k, budget, allowed, seq, adaptive_k)
+            d = super().choose(batch, k, budget, allowed, seq, adaptive_k, **backlog)
             if ks:  # each round's K too, as an adaptive policy may pick it
                 d.ks = {d.choice: ks[self.rounds % len(ks)]}
             self.rounds += 1

@@ -71,9 +71,9 @@ SWITCH_KS = [3, 1, 2, 3, 2]  # and K with it (a cached draft cut to a shorter K,
 
 
 class CyclingPolicy(Scheduler):
-    def choose(self, batch, k, budget, allowed, seq=None, adaptive_k=False):
+    def choose(self, batch, k, budget, allowed, seq=None, adaptive_k=False, **backlog):
         self.forced_mode = SWITCH_ORDER[self.rounds % len(SWITCH_ORDER)]
-        d = super().choose(batch, k, budget, allowed, seq, adaptive_k)
+        d = super().choose(batch, k, budget, allowed, seq, adaptive_k, **backlog)
         d.ks = {d.choice: SWITCH_KS[self.rounds % len(SWITCH_KS)]}
         self.rounds += 1
         return d

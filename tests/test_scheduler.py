@@ -146,3 +146,24 @@ def test_wide_sd_wins_where_a_second_thread_pays():
                      batch=1, rounds=300, allowed=allowed)
     assert s.current == SD and sum(d.choice == SD for d in seen[-100:]) >= 70
     assert sum(d.choice.wide for d in seen[-100:]) <= 10
+
+
+def test_a_drafter_that_must_catch_up_is_chosen_only_where_the_tokens_left_pay_for_it():
+    """After AR rounds on a wide layout the drafter lacks the batch's prompts and tokens: a drafting
+    choice first runs those rows. Alone, SSD wins by far; owing 512 rows (1.6 s on this drafter)
+    it still wins with 1000 tokens left, and loses to AR with 8 left, whatever UCB would try."""
+    fresh = measured_scheduler().choose(1, 4, 8)
+    assert fresh.choice.mode == "ssd"
+    owed = 512
+    assert measured_scheduler().model.catch_up_seconds(owed, wide=False) == 1.6
+
+    def after_ar(owed_rows, tokens_left):
+        s = measured_scheduler()
+        s.current = AR  # the batch has been running AR, which is how the drafter fell behind
+        return s.choose(1, 4, 8, owed_rows=owed_rows, tokens_left=tokens_left)
+
+    assert after_ar(owed, 1000).choice.mode == "ssd"
+    d = after_ar(owed, 8)
+    assert d.choice == AR and d.rates[AR] == fresh.rates[AR]
+    assert d.rates[SSD_N] < fresh.rates[SSD_N] / 2
+    assert after_ar(0, 8).choice.mode == "ssd"

@@ -150,6 +150,11 @@ class CostModel:
         base, allowance = self.drafter(b * floor), self.tree_slack * self.target(b * (k + 1)) / k
         return next((B for B in range(budget, floor, -1) if self.drafter(b * B) - base <= allowance), floor)
 
+    def catch_up_seconds(self, rows: int, wide: bool) -> float:
+        """The drafter's seconds to take ``rows`` tokens it has not seen (prompts prefilled on a
+        wide layout, tokens of AR rounds), priced as one forward of that many rows."""
+        return (self.drafter_wide.along(self.drafter) if wide else self.drafter)(rows) if rows > 0 else 0.0
+
     def drafter_alpha(self) -> float:
         """Per-position acceptance of the drafter's drafts: the speculation's once a cached draft
         was verified, SD's before (as ``rates`` reads them); the fan-out shape reads it too."""

@@ -13,6 +13,10 @@ Each round the batch asks once. For every choice at the current batch size b:
 The highest score runs, but a change of choice must beat the current one's score by
 ``hysteresis`` (a change costs a round without a cached draft), except between the two SSD
 backups, which share the speculation. With ``adaptive_k`` each choice runs its own best K.
+A choice that drafts after AR rounds first gives the drafter every token it has not seen (the
+batch's prompts, when they were prefilled on a wide layout, and the AR rounds' tokens): its
+estimate counts those seconds, spread over the tokens the batch's sequences still have to make, so
+a batch near its end does not switch into a catch-up it cannot earn back.
 """
 from __future__ import annotations
 
@@ -89,10 +93,11 @@ class Scheduler:
         self._asked: set = set()
 
     def choose(self, batch: int, k: int, budget: int, allowed=SPLIT_CHOICES, seq: str | None = None,
-               adaptive_k: bool = False) -> Decision:
+               adaptive_k: bool = False, owed_rows: int = 0, tokens_left: float = 0.0) -> Decision:
         """The choice for sequence ``seq``'s next round among ``allowed``. A round of the batch
         starts when a sequence asks again (or ``seq`` is None); every sequence asking within it
-        gets the same answer, so a change moves the whole batch at once."""
+        gets the same answer, so a change moves the whole batch at once. ``owed_rows``: tokens the
+        batch's drafter caches lack; ``tokens_left``: what each sequence still has to make (mean)."""
         allowed = tuple(Choice(c) for c in allowed)
         if forced := self._forced(allowed):
             return Decision(forced, "forced")
@@ -105,7 +110,7 @@ class Scheduler:
             return Decision(self.current if self.current in allowed else allowed[0], "warmup")
         if seq is None or seq in self._asked or self._round is None:
             self._asked.clear()
-            self._round = self._next_round(batch, k, budget, allowed, adaptive_k)
+            self._round = self._next_round(batch, k, budget, allowed, adaptive_k, owed_rows, tokens_left)
         self._asked.add(seq)
         d = self._round
         choice = d.choice if d.choice in allowed else max(allowed, key=lambda c: d.rates[c])
@@ -134,10 +139,23 @@ class Scheduler:
                for c, r in recs.items()}
         return est, {c: p + r.weight for c, r in recs.items()}
 
-    def _next_round(self, batch: int, k: int, budget: int, allowed: tuple, adaptive_k: bool) -> Decision:
+    def after_catch_up(self, est: dict, owed_rows: int, tokens_left: float) -> dict:
+        """``est`` with each drafting choice's rate over the sequences' ``tokens_left`` tokens
+        including the seconds its drafter first needs for ``owed_rows`` rows."""
+        if owed_rows <= 0 or tokens_left <= 0:
+            return est
+        out = dict(est)
+        for c, rate in est.items():
+            if c.mode != "ar" and rate > 0:
+                out[c] = tokens_left / (tokens_left / rate + self.model.catch_up_seconds(owed_rows, c.wide))
+        return out
+
+    def _next_round(self, batch: int, k: int, budget: int, allowed: tuple, adaptive_k: bool,
+                    owed_rows: int = 0, tokens_left: float = 0.0) -> Decision:
         self.rounds += 1
         ks = self.model.best_k(batch, k, budget) if adaptive_k else None
         est, n = self.estimates(batch, k, budget, ks)
+        est = self.after_catch_up(est, owed_rows, tokens_left)
         top = max(est[c] for c in allowed)
         width = self.cfg.explore * top * math.sqrt(math.log(sum(n[c] for c in allowed)))
         score = {c: est[c] + width / math.sqrt(n[c]) for c in allowed}
@@ -149,7 +167,7 @@ class Scheduler:
         self.current = best
         if self.trace:
             self.trace({"ev": "decide", "round": self.rounds, "batch": batch, "k": k, "budget": budget,
-                        "choice": best.value, "reason": reason, "ks": {c.value: v for c, v in (ks or {}).items()},
+                        "choice": best.value, "reason": reason, "owed_rows": owed_rows, "tokens_left": tokens_left, "ks": {c.value: v for c, v in (ks or {}).items()},
                         "est": {c.value: round(v, 3) for c, v in est.items()},
                         "score": {c.value: round(v, 3) for c, v in score.items()}})
         return Decision(best, reason, est, dict(ks or {}))

@@ -59,6 +59,8 @@ class SharedState:
     wide_threads: int = 0
     # AR steps one target call may take for the whole batch (ServerConfig.ar_steps)
     ar_steps: int = 1
+    # per decoding sequence: (tokens its drafter cache lacks, tokens it still has to make)
+    backlog: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.estimator = FanoutEstimator(acceptance=lambda: self.policy.model.drafter_alpha())
@@ -72,10 +74,21 @@ class SharedState:
     def learner(self) -> Learner:
         return Learner(self.policy, self.estimator)
 
+    def catch_up(self) -> tuple[int, float]:
+        """The batch's drafter backlog (rows a drafting round first runs) and the mean tokens its
+        sequences have left: what a switch into drafting costs and the tokens it has to pay off."""
+        if not self.backlog:
+            return 0, 0.0
+        owed = sum(o for o, _ in self.backlog.values())
+        return owed, sum(left for _, left in self.backlog.values()) / len(self.backlog)
+
     def round_k(self, k: int) -> int:
         if self.max_verify_rows <= 0:
             return k
         return max(1, min(k, self.max_verify_rows // max(self.active, 1) - 1))
+
+
+UNBOUNDED_TOKENS_LEFT = 128  # what a request without max_tokens is taken to have left (the server's default)
 
 
 def _truncate(d: DraftResult, k: int) -> DraftResult:
@@ -102,6 +115,7 @@ class Generation:
         self.k = cfg.k  # this round's draft length (SharedState.round_k, CostModel.best_k)
         self.drafter_ok = True
         self.last_choice: Choice | None = None  # the previous round's
+        self.drafter_len = 0  # tokens of this sequence the drafter's cache holds
         self.threads = 0  # this round's layout (VerifyCall.threads): 0 split, else wide
 
     def _verify(self, prefix, draft, probs=None, steps: int = 1) -> VerifyCall:
@@ -134,6 +148,7 @@ class Generation:
                 self.stats.new_tokens += len(block)
                 yield block
         finally:
+            self.shared.backlog.pop(self.seq_id, None)
             self.shared.add_active(-1)
 
     async def take(self, n: int) -> list[int]:
@@ -157,7 +172,10 @@ class Generation:
         cached: DraftResult | None = None  # this round's draft, pre-drafted by the last speculation
         while True:
             t0, batch = time.perf_counter(), self.shared.active
+            self._report_backlog(prefix)
             d = self._decide(self.shared.round_k(self.cfg.k))
+            if d.mode != "ar":  # this round's draft or speculation brings the drafter up to the prefix
+                self.drafter_len = len(prefix)
             budget = self.shared.policy.model.tree_budget(batch, self.k, self.cfg.fanout_budget)
             fanout = allocate(self.cfg.fanout_shape, self.k, budget, self.shared.estimator)
             draft, source, t_draft = await self._draft(d, prefix, fanout, cached)
@@ -186,6 +204,11 @@ class Generation:
             yield block
             cached = await self._cached_draft(spec, (r.accepted, r.token)) if hit else None
 
+    def _report_backlog(self, prefix) -> None:
+        owed = len(prefix) - self.drafter_len if self.drafter_ok and self.cfg.mode != "ar" else 0
+        left = self.max_tokens - self.stats.new_tokens if self.max_tokens else UNBOUNDED_TOKENS_LEFT
+        self.shared.backlog[self.seq_id] = (owed, max(left, 1))
+
     def _decide(self, k_max: int) -> Decision:
         """This round's choice and K. An ssd request with ``adaptive_k`` lets the scheduler pick each
         choice's K up to the request's (``CostModel.best_k``); sd and ar requests are baselines
@@ -196,7 +219,9 @@ class Generation:
             allowed = ("ar",) if cfg.mode == "ar" else ("ssd+fast", "ar")
         adaptive = cfg.adaptive_k and cfg.mode == "ssd"
         budget = cfg.fanout_budget if adaptive else pol.model.tree_budget(active, k_max, cfg.fanout_budget)
-        d = pol.choose(active, k_max, budget, allowed, self.seq_id, adaptive_k=adaptive)
+        owed, left = self.shared.catch_up()
+        d = pol.choose(active, k_max, budget, allowed, self.seq_id, adaptive_k=adaptive, owed_rows=owed,
+                       tokens_left=left)
         self.k = min(d.ks.get(d.choice, k_max), k_max) if adaptive else k_max
         self.threads = self._threads(d.choice)
         if not self.drafter_ok:
@@ -281,6 +306,7 @@ class Generation:
             return
         try:
             await self.c.draft(DraftCall(self.seq_id, self.prompt, 0, self.params, self.seed, 0))
+            self.drafter_len = len(self.prompt)
         except Exception:  # noqa: BLE001
             pass
 

@@ -1,0 +1,42 @@
+"""What a request tells the scheduler about its drafter's backlog: the tokens its drafter cache
+lacks (growing by one an AR round, back to a round's block once a round drafts) and the tokens it
+still has to make; a finished request leaves the batch's backlog."""
+from __future__ import annotations
+
+import asyncio
+
+from conftest import PROMPTS
+from decoding_clients import generate, local_client
+
+
+def test_a_request_reports_what_its_drafter_lacks_and_its_tokens_left(engines, codec):
+    from ssd.algorithm.rounds import Choice
+    from ssd.algorithm.scheduler import Decision, Scheduler
+    from ssd.decoding.generator import DecodeConfig, SharedState
+
+    class Scripted(Scheduler):
+        """Runs ``script``'s choices in turn and keeps what each round reported."""
+
+        def __init__(self, script):
+            super().__init__()
+            self.script, self.seen = script, []
+
+        def choose(self, batch, k, budget, allowed=(), seq=None, adaptive_k=False, owed_rows=0, tokens_left=0.0):
+            self.seen.append((owed_rows, tokens_left))
+            return Decision(Choice(self.script[min(len(self.seen), len(self.script)) - 1]), "forced")
+
+    n = 24
+    policy = Scripted(["ar", "ar", "ar", "sd", "sd", "ar"])
+    shared = SharedState(policy=policy)
+    out, g = asyncio.run(generate(local_client(engines, "strong"), codec.encode_prompt(PROMPTS[1]),
+                                  DecodeConfig(mode="ssd", k=4), n=n, seq="backlog", shared=shared))
+    blocks = g.stats.tokens_per_round
+    # split prefill: the drafter took the prompt beside the target, so it lacks only the first token
+    assert [o for o, _ in policy.seen[:4]] == [1, 2, 3, 4]
+    assert policy.seen[4][0] == blocks[3]  # the sd round brought it up to its prefix
+    assert policy.seen[5][0] == blocks[4]
+    made = 1
+    for (_, left), block in zip(policy.seen, blocks):
+        assert left == n - made
+        made += block
+    assert shared.backlog == {} and shared.catch_up() == (0, 0.0)
