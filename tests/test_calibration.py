@@ -30,6 +30,9 @@ def test_calibration_measures_every_curve_at_the_batch_sizes_it_runs_and_frees_i
         assert all(b[1] > 0 for b in curve.buckets.values())
     for name in ("target", "strong"):
         assert not any(s.startswith("__calibrate") for s in engines[name].sequences)
+    # the drafter's prefill a row, on each layout: what a catch-up of n rows costs
+    assert set(model.catch_up_row_seconds) == {False, True} and all(v > 0 for v in model.catch_up_row_seconds.values())
+    assert model.catch_up_seconds(100, wide=True) == 100 * model.catch_up_row_seconds[True]
 
 
 def test_calibration_without_wide_rounds_leaves_the_wide_curves_to_the_rounds(engines):

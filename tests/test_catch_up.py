@@ -40,3 +40,42 @@ def test_a_request_reports_what_its_drafter_lacks_and_its_tokens_left(engines, c
         assert left == n - made
         made += block
     assert shared.backlog == {} and shared.catch_up() == (0, 0.0)
+
+
+def test_a_prompt_prefilled_wide_is_owed_from_the_prefill_on(engines, codec):
+    """On a wide layout the drafter does not take the prompt: the request owes it, and says so as
+    its prefill starts (a batch's next decision may come before its first round)."""
+    from ssd.algorithm.rounds import Choice
+    from ssd.algorithm.scheduler import Decision, Scheduler
+    from ssd.decoding.generator import DecodeConfig, SharedState
+
+    class Watching(Scheduler):
+        def __init__(self, shared):
+            super().__init__()
+            self.current, self.shared, self.seen = Choice.AR_WIDE, shared, []
+
+        def running(self, allowed=()):
+            return self.current
+
+        def choose(self, batch, k, budget, allowed=(), seq=None, adaptive_k=False, owed_rows=0, tokens_left=0.0):
+            self.seen.append(owed_rows)
+            return Decision(Choice.AR_WIDE, "forced")
+
+    shared = SharedState(wide_threads=2)
+    shared.policy = policy = Watching(shared)
+    ids = codec.encode_prompt(PROMPTS[2])
+    reported = []
+    inner = local_client(engines, "strong")
+
+    class Spy:
+        async def verify(self, call):
+            reported.append(shared.catch_up()[0])
+            return await inner.verify(call)
+
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+    out, g = asyncio.run(generate(Spy(), ids, DecodeConfig(mode="ssd", k=4), n=6, seq="wide", shared=shared))
+    assert g.stats.prefill_threads == 2
+    assert reported[0] == len(ids) + 1  # during the prefill
+    assert policy.seen[:3] == [len(ids) + 1, len(ids) + 2, len(ids) + 3]

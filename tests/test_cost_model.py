@@ -155,6 +155,8 @@ def test_wide_rounds_are_priced_from_their_own_curves():
     assert wide[Choice.AR_WIDE] > wide[Choice.AR]
     assert Choice.SD_WIDE.mode == "sd" and Choice.SD_WIDE.wide and not Choice.SD.wide
     assert Choice.SD.switch_is_free(Choice.SD_WIDE) and not Choice.SD.switch_is_free(Choice.SSD_NEURAL)
+    # into AR is free (no draft, no drafter); out of it a drafting choice pays (after_catch_up prices it)
+    assert Choice.SSD_NEURAL.switch_is_free(Choice.AR_WIDE) and not Choice.AR_WIDE.switch_is_free(Choice.SD_WIDE)
 
 
 def test_a_wide_curve_keeps_the_split_curves_shape_where_unmeasured():

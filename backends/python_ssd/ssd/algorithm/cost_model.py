@@ -96,6 +96,8 @@ class CostModel:
                                                    "fast": Acceptance(0.25)})
     p_hit: dict = field(default_factory=lambda: {"model": Ema(0.6), "fast": Ema(0.8)})  # by verified draft
     t_fast: Ema = field(default_factory=lambda: Ema(0.002))  # seconds per n-gram backup call
+    # the drafter's prefill seconds a row, split (False) and wide (True), where calibration measured it
+    catch_up_row_seconds: dict = field(default_factory=dict)
 
     @property
     def known(self) -> bool:
@@ -152,8 +154,13 @@ class CostModel:
 
     def catch_up_seconds(self, rows: int, wide: bool) -> float:
         """The drafter's seconds to take ``rows`` tokens it has not seen (prompts prefilled on a
-        wide layout, tokens of AR rounds), priced as one forward of that many rows."""
-        return (self.drafter_wide.along(self.drafter) if wide else self.drafter)(rows) if rows > 0 else 0.0
+        wide layout, tokens of AR rounds): its measured prefill seconds a row, or, unmeasured, one
+        forward of that many rows on its curve."""
+        if rows <= 0:
+            return 0.0
+        if wide in self.catch_up_row_seconds:
+            return rows * self.catch_up_row_seconds[wide]
+        return (self.drafter_wide.along(self.drafter) if wide else self.drafter)(rows)
 
     def drafter_alpha(self) -> float:
         """Per-position acceptance of the drafter's drafts: the speculation's once a cached draft

@@ -39,9 +39,10 @@ class Choice(str, Enum):
         return self.value.partition("+")[2] or "neural"
 
     def switch_is_free(self, other: "Choice") -> bool:
-        """Choices of one mode share everything but the layout (or, for SSD, the backup); any other
-        change costs a round (the drafter catches up, no cached draft)."""
-        return self.mode == other.mode
+        """Choices of one mode share everything but the layout (or, for SSD, the backup), and AR
+        needs neither a draft nor the drafter; any other change costs a round (no cached draft; the
+        drafter's catch-up is priced apart, Scheduler.after_catch_up)."""
+        return self.mode == other.mode or other.mode == "ar"
 
 
 SPLIT_CHOICES = tuple(c for c in Choice if not c.wide)

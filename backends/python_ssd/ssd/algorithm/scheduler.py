@@ -8,8 +8,9 @@ Each round the batch asks once. For every choice at the current batch size b:
   every round multiplies old rounds by ``discount``, so the record follows the machine's drift and
   a choice not run for a while falls back to its prior;
 - the estimate blends the two, the prior weighing ``prior_rounds`` rounds;
-- the score adds discounted UCB's bonus, explore * best * sqrt(log n_total / n_choice): a choice
-  whose estimate is close to the best and whose record is thin gets tried, one far below does not.
+- the score is discounted UCB's bound on the estimate, est * (1 + explore * sqrt(log n_total /
+  n_choice)): relative, as the estimate's error is (the prior is off by a factor); a choice whose
+  estimate is close to the best and whose record is thin gets tried, one far below does not.
 The highest score runs, but a change of choice must beat the current one's score by
 ``hysteresis`` (a change costs a round without a cached draft), except between the two SSD
 backups, which share the speculation. With ``adaptive_k`` each choice runs its own best K.
@@ -31,7 +32,7 @@ from .rounds import SPLIT_CHOICES, Choice, RoundRecord
 class PolicyConfig:
     discount: float = 0.995  # per round: follows drift within ~100 rounds, re-tries a losing choice as rarely
     prior_rounds: float = 1.0  # the cost model's prediction counts as one measured round: it ranks roughly
-    explore: float = 0.35  # UCB width, a share of the best estimate: tries a choice whose prior is close
+    explore: float = 0.35  # UCB width, a share of the choice's own estimate: tries a choice whose prior is close
     hysteresis: float = 0.1  # a costly change must predict this much more: it pays a round without a cached draft
     tree_slack: float = 0.25  # share of a verify the speculation tree's extra branches may cost
     k_margin: float = 0.10  # a shorter K must predict this much more: per-round costs favour fewer rounds
@@ -157,8 +158,8 @@ class Scheduler:
         est, n = self.estimates(batch, k, budget, ks)
         est = self.after_catch_up(est, owed_rows, tokens_left)
         top = max(est[c] for c in allowed)
-        width = self.cfg.explore * top * math.sqrt(math.log(sum(n[c] for c in allowed)))
-        score = {c: est[c] + width / math.sqrt(n[c]) for c in allowed}
+        width = self.cfg.explore * math.sqrt(math.log(sum(n[c] for c in allowed)))
+        score = {c: est[c] * (1 + width / math.sqrt(n[c])) for c in allowed}
         best = max(allowed, key=score.get)
         cur = self.current if self.current in allowed else best
         if not cur.switch_is_free(best) and score[best] <= score[cur] * (1 + self.cfg.hysteresis):

@@ -7,15 +7,20 @@ and under a sudden load its first rounds pick from guesses (SSD rounds of severa
 users where an AR round takes half a second). So the first request first runs the shapes decoding
 runs: b sequences of one row (AR and drafter steps) and of two rows (a verify), b up to the
 server's largest batch, on each layout, and feeds their timings to the same curves the rounds feed.
-The sequences are one token long, so no prefill is timed, and are released at once.
+The sequences are one token long, so no prefill is timed, and are released at once. Apart from
+the curves, the drafter prefills one prompt of CATCH_UP_ROWS tokens on each layout: its seconds a
+row price the catch-up a drafting choice pays after AR rounds (Scheduler.after_catch_up).
 """
 from __future__ import annotations
+
+import time
 
 from ..algorithm.cost_model import CostModel
 from ..algorithm.sampling import SamplingParams
 from ..workers.protocol import DraftCall, VerifyCall
 
 TOKEN = 100  # any id every vocabulary has; costs do not depend on it
+CATCH_UP_ROWS = 64  # a short prompt's rows: the drafter's prefill cost a row
 
 
 def shapes(max_batch: int) -> list[tuple[int, int]]:
@@ -55,4 +60,12 @@ async def calibrate(client, model: CostModel, wide_threads: int, max_batch: int)
                     for n, seconds in results[0].timing:
                         curve.observe(n, seconds)
                         measured += 1
+        seq = f"__calibrate_{threads}_catch_up"
+        t0 = time.perf_counter()
+        try:
+            await client.call_many("draft", [DraftCall(seq, [TOKEN] * CATCH_UP_ROWS, 0, greedy, threads=threads)])
+        finally:
+            await client.release(seq)
+        model.catch_up_row_seconds[bool(threads)] = (time.perf_counter() - t0) / CATCH_UP_ROWS
+        measured += 1
     return measured

@@ -172,7 +172,7 @@ class Generation:
         cached: DraftResult | None = None  # this round's draft, pre-drafted by the last speculation
         while True:
             t0, batch = time.perf_counter(), self.shared.active
-            self._report_backlog(prefix)
+            self._report_backlog(len(prefix))
             d = self._decide(self.shared.round_k(self.cfg.k))
             if d.mode != "ar":  # this round's draft or speculation brings the drafter up to the prefix
                 self.drafter_len = len(prefix)
@@ -204,8 +204,9 @@ class Generation:
             yield block
             cached = await self._cached_draft(spec, (r.accepted, r.token)) if hit else None
 
-    def _report_backlog(self, prefix) -> None:
-        owed = len(prefix) - self.drafter_len if self.drafter_ok and self.cfg.mode != "ar" else 0
+    def _report_backlog(self, length: int) -> None:
+        """What this sequence's drafter lacks of its ``length`` tokens, and the tokens it has left."""
+        owed = length - self.drafter_len if self.drafter_ok and self.cfg.mode != "ar" else 0
         left = self.max_tokens - self.stats.new_tokens if self.max_tokens else UNBOUNDED_TOKENS_LEFT
         self.shared.backlog[self.seq_id] = (owed, max(left, 1))
 
@@ -290,6 +291,10 @@ class Generation:
         threads would contend for them, prefills at its first draft. The layout changes the
         time, not the bits: an exact target computes wide only where its rows keep their bits."""
         self.threads = self.stats.prefill_threads = self._threads(self.shared.policy.running(self._allowed()))
+        if not self.threads:  # the drafter takes the prompt beside the target (undone if it fails)
+            self.drafter_len = len(self.prompt)
+        # reported now: the batch's next decision may come before this request's first round
+        self._report_backlog(len(self.prompt) + 1)
         first = self.c.verify(self._verify(self.prompt, []))
         if self.threads:
             return await first
@@ -306,9 +311,8 @@ class Generation:
             return
         try:
             await self.c.draft(DraftCall(self.seq_id, self.prompt, 0, self.params, self.seed, 0))
-            self.drafter_len = len(self.prompt)
         except Exception:  # noqa: BLE001
-            pass
+            self.drafter_len = 0
 
     def _degrade(self, what: str, err: Exception) -> None:
         """A drafter failure costs speed, never correctness: drafts come from the n-gram backup
