@@ -63,9 +63,11 @@ async def calibrate(client, model: CostModel, wide_threads: int, max_batch: int)
         seq = f"__calibrate_{threads}_catch_up"
         t0 = time.perf_counter()
         try:
-            await client.call_many("draft", [DraftCall(seq, [TOKEN] * CATCH_UP_ROWS, 0, greedy, threads=threads)])
+            prefill = await client.call_many("draft", [DraftCall(seq, [TOKEN] * CATCH_UP_ROWS, 0, greedy,
+                                                                 threads=threads)])
         finally:
             await client.release(seq)
-        model.catch_up_row_seconds[bool(threads)] = (time.perf_counter() - t0) / CATCH_UP_ROWS
-        measured += 1
+        if prefill and not isinstance(prefill[0], Exception):
+            model.catch_up_row_seconds[bool(threads)] = (time.perf_counter() - t0) / CATCH_UP_ROWS
+            measured += 1
     return measured
