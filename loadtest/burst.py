@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from ssd_loadtest.traffic import prompts
-from ssd_tools.runner import config_pair, generate, start_pair
+from ssd_tools.runner import config_pair, generate, ssd_params, start_pair
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,12 +34,7 @@ def main() -> None:
                     help="a parameter of the ssd model (ServerConfig), e.g. force_mode=ar@wide")
     ap.add_argument("--out", type=Path, help="also write the requests' statistics as JSON")
     a = ap.parse_args()
-    params = {"max_active_requests": max(16, a.users)}
-    for item in a.param:
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--param: expected NAME=VALUE (a parameter of the ssd model), got {item!r}")
-        params[name] = value
+    params = {"max_active_requests": max(16, a.users), **ssd_params(a.param)}
     texts = prompts(a.datasets.split(","), a.users)[: a.users]
     if len(texts) < a.users:
         raise SystemExit(f"--users {a.users}: the datasets hold {len(texts)} prompts")

@@ -33,7 +33,7 @@ from urllib.parse import urlparse
 
 from ssd_loadtest.sweep_report import (hit_rate, latency_fields, markdown, merge, plot, policy_fields, steady_rate,
                                        write_report)
-from ssd_tools.runner import config_pair, locust_cmd, start_pair, tiny_pair, wait_idle, warm_up
+from ssd_tools.runner import config_pair, locust_cmd, ssd_params, start_pair, tiny_pair, wait_idle, warm_up
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -64,12 +64,7 @@ def by_label(before: dict, after: dict, name: str, label: str | None = None, **m
 def start_server(a):
     """The server of a sweep or soak run here: the --tiny CI engines or --config's pair, split layout."""
     pair = tiny_pair() if a.tiny else config_pair(a.config, a.engine_root)
-    params = {"max_active_requests": a.max_active}
-    for item in getattr(a, "param", []):
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise SystemExit(f"--param: expected NAME=VALUE (a parameter of the ssd model), got {item!r}")
-        params[name] = value
+    params = {"max_active_requests": a.max_active, **ssd_params(getattr(a, "param", []))}
     srv = start_pair(pair, "loadtest", "split", params)
     return srv, f"http://{srv.http_url}", f"http://{srv.address}:{srv.metrics_port}/metrics"
 

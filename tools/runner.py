@@ -50,6 +50,17 @@ def tiny_pair() -> Pair:
     return Pair(root, TINY_TARGET, TINY_TARGET, "float32", "bfloat16")
 
 
+def ssd_params(items: list[str]) -> dict[str, str]:
+    """``--param NAME=VALUE`` items (parameters of the ``ssd`` model, ServerConfig) as a dict."""
+    params = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--param: expected NAME=VALUE (a parameter of the ssd model), got {item!r}")
+        params[name] = value
+    return params
+
+
 def start_pair(pair: Pair, name: str, layout: str = "split", ssd: dict | None = None,
                timeout: float = 900) -> TritonServer:
     """tritonserver on ``pair`` in ``layout``, the ``ssd`` model's parameters overridden by ``ssd``;
