@@ -346,6 +346,9 @@ def test_dead_drafter_degrades_without_corrupting(engines, codec, ar_outputs, mo
 
     client = LocalClient(TargetWorker(engines["target"]), DyingDrafter(DrafterWorker(engines["strong"]), 3),
                          NgramWorker())
-    out, g = asyncio.run(generate(client, codec.encode_prompt(PROMPTS[0]), DecodeConfig(mode=mode, k=3)))
+    # step_aside off: the policy must not answer the ssd request with AR rounds alone, which
+    # would never call the drafter and so never see it die.
+    cfg = DecodeConfig(mode=mode, k=3, step_aside=False)
+    out, g = asyncio.run(generate(client, codec.encode_prompt(PROMPTS[0]), cfg))
     assert out == ar_outputs[0]
     assert "failed" in g.stats.degraded
