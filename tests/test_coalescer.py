@@ -86,3 +86,88 @@ def test_a_failed_message_fails_each_of_its_callers():
         return await asyncio.gather(client.speculate("a"), client.speculate("b"), return_exceptions=True)
 
     assert all(isinstance(r, ConnectionError) for r in asyncio.run(main()))
+
+
+class Timeline(Engine):
+    """A fake pair of engine processes that records when each message ran: (op, start, end)."""
+
+    def __init__(self, step: float):
+        super().__init__(step)
+        self.spans = []
+
+    async def call_many(self, op, calls):
+        t0 = time.perf_counter()
+        out = await super().call_many(op, calls)
+        self.spans.append((op, t0, time.perf_counter()))
+        return out
+
+
+def _call(seq, threads):
+    from ssd.workers.protocol import VerifyCall
+    return VerifyCall(seq, [1, 2], [], threads=threads)
+
+
+def _overlap(a, b):
+    return a[1] < b[2] and b[1] < a[2]
+
+
+def test_a_wide_message_owns_the_cores_and_split_messages_share_them():
+    """Sequences whose rounds drifted apart: one verifies on both cores while another drafts on
+    both. The two messages take turns; on the split layout the two engines run side by side."""
+    async def main(threads):
+        eng = Timeline(0.05)
+        client = CoalescingClient(eng, expected=lambda: 1)
+        await asyncio.gather(client.verify(_call("a", threads)), client.draft(_call("b", threads)),
+                             client.speculate(_call("c", 0)) if not threads else asyncio.sleep(0))
+        return eng.spans
+
+    wide = asyncio.run(main(2))
+    assert [op for op, *_ in wide] == ["verify", "draft"] and not _overlap(*wide)
+    split = asyncio.run(main(0))
+    assert len(split) == 3 and all(_overlap(a, b) for a in split for b in split if a is not b)
+
+
+def test_the_core_gate_serves_engines_in_turn():
+    """A drafter message that waits for a wide verify goes next: verify messages that come after it
+    (the other sequences' next steps) wait behind it, so neither engine starves the other."""
+    from ssd.decoding.coalescer import CoreGate
+
+    async def main():
+        gate, order = CoreGate(), []
+
+        async def message(name, key, start, hold):
+            await asyncio.sleep(start)
+            await gate.enter(key)
+            order.append((name, "in"))
+            await asyncio.sleep(hold)
+            order.append((name, "out"))
+            gate.leave()
+
+        await asyncio.gather(message("v1", "target", 0.0, 0.05), message("d1", "drafter", 0.01, 0.05),
+                             message("v2", "target", 0.02, 0.05), message("s1", "split", 0.03, 0.01),
+                             message("s2", "split", 0.03, 0.01))
+        return order, gate
+
+    order, gate = asyncio.run(main())
+    assert order[:4] == [("v1", "in"), ("v1", "out"), ("d1", "in"), ("d1", "out")]
+    assert order[4:6] == [("v2", "in"), ("v2", "out")]
+    assert sorted(order[6:8]) == [("s1", "in"), ("s2", "in")]  # split messages enter together
+    assert gate.count == 0 and not gate.waiting
+
+
+def test_a_caller_cancelled_at_the_gate_leaves_no_trace():
+    from ssd.decoding.coalescer import CoreGate
+
+    async def main():
+        gate = CoreGate()
+        await gate.enter("target")
+        waiter = asyncio.ensure_future(gate.enter("drafter"))
+        await asyncio.sleep(0.01)
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        gate.leave()
+        await asyncio.wait_for(gate.enter("split"), 1.0)  # nobody holds or waits: in at once
+        return gate
+
+    gate = asyncio.run(main())
+    assert gate.key == "split" and gate.count == 1 and not gate.waiting

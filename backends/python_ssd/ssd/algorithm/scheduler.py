@@ -178,12 +178,13 @@ class Scheduler:
         """A round's tokens and seconds join its choice's record at its batch size; every sequence
         of the batch reports the same round, so together they weigh one. A round right after a
         costly change measures the change, not the choice, and is left out."""
+        if self.trace:  # every round, the ones left out of the records too
+            self.trace({"ev": "round", "choice": rec.choice.value, "batch": rec.batch, "k": rec.k,
+                        "tokens": rec.tokens, "s": round(rec.seconds, 4), "prompt_s": round(rec.prompt_seconds, 4),
+                        "draft_s": round(rec.draft_seconds, 4), "verify_s": round(rec.verify_seconds, 4),
+                        "source": rec.source, "after_switch": rec.after_switch})
         if rec.after_switch or rec.seconds <= 0:
             return
         key = (Choice(rec.choice), bucket(rec.batch))
         r = self.records[key] = self.records.get(key, Discounted()).decayed(self.rounds, self.cfg.discount)
         r.add(rec.tokens, rec.own_seconds, 1.0 / max(rec.batch, 1))
-        if self.trace:
-            self.trace({"ev": "round", "choice": rec.choice.value, "batch": rec.batch, "k": rec.k,
-                        "tokens": rec.tokens, "s": round(rec.seconds, 4), "prompt_s": round(rec.prompt_seconds, 4),
-                        "source": rec.source})

@@ -12,19 +12,73 @@ than 1). So each operation has a scheduler of one message in flight, as in conti
 - a message is one ``call_many``: one BLS request, so the engine gets the whole round in one
   execute (sent as N requests in the same tick, they reached the engine in groups that took
   turns: Triton's queue hands the model what has arrived, not what was sent).
+
+A wide message (calls with ``threads`` > 0: one engine on every core) owns the cores: it waits
+until no message of the other engine is in flight, and one of the other engine waits for it
+(``CoreGate``). Split messages (target and drafter on a core each) run side by side. Without the
+gate, sequences whose rounds drift apart (a new request's prefill, a cache miss) put both engines'
+threads on the same two cores, and OpenMP's barriers made each message several times slower.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from typing import Callable
 
 OPS = ("verify", "draft", "speculate")
+ENGINE = {"verify": "target", "draft": "drafter", "speculate": "drafter"}
+SPLIT = "split"
+
+
+def cores_key(op: str, calls) -> str:
+    """What a message holds: every core for its engine when a call asks for threads, else its own."""
+    return ENGINE[op] if any(getattr(c, "threads", 0) > 0 for c in calls) else SPLIT
+
+
+class CoreGate:
+    """Messages with the same key run together; a message of another key waits until none is in
+    flight. First come, first served: a waiting message also holds back later ones, so neither
+    engine starves the other."""
+
+    def __init__(self):
+        self.key: str | None = None
+        self.count = 0
+        self.waiting: collections.deque[tuple[str, asyncio.Future]] = collections.deque()
+
+    async def enter(self, key: str) -> None:
+        if not self.waiting and (self.count == 0 or self.key == key):
+            self.key, self.count = key, self.count + 1
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting.append((key, fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # admitted as it was cancelled: give the place back
+                self.leave()
+            else:
+                self.waiting.remove((key, fut))
+                self._admit()
+            raise
+
+    def leave(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self.key = None
+        self._admit()
+
+    def _admit(self) -> None:
+        while self.waiting and (self.count == 0 or self.key == self.waiting[0][0]):
+            key, fut = self.waiting.popleft()
+            self.key, self.count = key, self.count + 1
+            fut.set_result(None)
 
 
 class _Barrier:
-    def __init__(self, op: str, send: Callable, expected: Callable[[], int], window_frac: float, max_window: float):
-        self.op, self.send, self.expected = op, send, expected
+    def __init__(self, op: str, send: Callable, expected: Callable[[], int], window_frac: float, max_window: float,
+                 gate: CoreGate):
+        self.op, self.send, self.expected, self.gate = op, send, expected, gate
         self.window_frac, self.max_window = window_frac, max_window
         self.pending: list[tuple[object, asyncio.Future]] = []
         self.timer: asyncio.TimerHandle | None = None
@@ -59,14 +113,18 @@ class _Barrier:
             self.in_flight = asyncio.ensure_future(self._run(batch))
 
     async def _run(self, batch: list[tuple[object, asyncio.Future]]) -> None:
-        t0 = time.perf_counter()
+        calls = [call for call, _ in batch]
+        await self.gate.enter(cores_key(self.op, calls))
+        t0 = time.perf_counter()  # the latency (the window's measure) is the engine's, not the gate's wait
         try:
-            results = await self.send(self.op, [call for call, _ in batch])
+            results = await self.send(self.op, calls)
         except Exception as e:  # noqa: BLE001 - the message failed as a whole: every caller sees it
             results = [e] * len(batch)
         else:
             dt = time.perf_counter() - t0
             self.latency = dt if self.latency == 0 else 0.9 * self.latency + 0.1 * dt
+        finally:
+            self.gate.leave()
         for (_, fut), r in zip(batch, results):
             if fut.done():
                 continue
@@ -84,7 +142,9 @@ class CoalescingClient:
 
     def __init__(self, inner, expected: Callable[[], int], window_frac: float = 0.1, max_window: float = 0.05):
         self.inner = inner
-        self._barriers = {op: _Barrier(op, inner.call_many, expected, window_frac, max_window) for op in OPS}
+        self.gate = CoreGate()
+        self._barriers = {op: _Barrier(op, inner.call_many, expected, window_frac, max_window, self.gate)
+                          for op in OPS}
 
     async def verify(self, call):
         return await self._barriers["verify"](call)
