@@ -182,6 +182,8 @@ class Scheduler:
             self.trace({"ev": "round", "choice": rec.choice.value, "batch": rec.batch, "k": rec.k,
                         "tokens": rec.tokens, "s": round(rec.seconds, 4), "prompt_s": round(rec.prompt_seconds, 4),
                         "draft_s": round(rec.draft_seconds, 4), "verify_s": round(rec.verify_seconds, 4),
+                        "drafter_forward_s": round(sum(s for _, s in rec.drafter_timing), 4),
+                        "target_forward_s": round(sum(s for _, s in rec.target_timing), 4),
                         "source": rec.source, "after_switch": rec.after_switch})
         if rec.after_switch or rec.seconds <= 0:
             return
