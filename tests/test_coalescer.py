@@ -171,3 +171,23 @@ def test_a_caller_cancelled_at_the_gate_leaves_no_trace():
 
     gate = asyncio.run(main())
     assert gate.key == "split" and gate.count == 1 and not gate.waiting
+
+
+def test_a_waiter_cancelled_before_it_runs_is_passed_over():
+    """Cancelled in the same tick as the holder leaves: the gate skips it and admits the next."""
+    from ssd.decoding.coalescer import CoreGate
+
+    async def main():
+        gate = CoreGate()
+        await gate.enter("target")
+        first = asyncio.ensure_future(gate.enter("drafter"))
+        second = asyncio.ensure_future(gate.enter("split"))
+        await asyncio.sleep(0.01)
+        first.cancel()
+        gate.leave()  # before the cancelled waiter has run its handler
+        await asyncio.gather(first, return_exceptions=True)
+        await asyncio.wait_for(second, 1.0)
+        return gate, first
+
+    gate, first = asyncio.run(main())
+    assert first.cancelled() and gate.key == "split" and gate.count == 1 and not gate.waiting

@@ -57,7 +57,7 @@ class CoreGate:
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():  # admitted as it was cancelled: give the place back
                 self.leave()
-            else:
+            elif (key, fut) in self.waiting:
                 self.waiting.remove((key, fut))
                 self._admit()
             raise
@@ -71,6 +71,8 @@ class CoreGate:
     def _admit(self) -> None:
         while self.waiting and (self.count == 0 or self.key == self.waiting[0][0]):
             key, fut = self.waiting.popleft()
+            if fut.done():  # its caller was cancelled and has not yet left the queue
+                continue
             self.key, self.count = key, self.count + 1
             fut.set_result(None)
 
