@@ -26,14 +26,15 @@ import collections
 import time
 from typing import Callable
 
+from ..workers.protocol import ROUTE
+
 OPS = ("verify", "draft", "speculate")
-ENGINE = {"verify": "target", "draft": "drafter", "speculate": "drafter"}
 SPLIT = "split"
 
 
 def cores_key(op: str, calls) -> str:
     """What a message holds: every core for its engine when a call asks for threads, else its own."""
-    return ENGINE[op] if any(getattr(c, "threads", 0) > 0 for c in calls) else SPLIT
+    return ROUTE[op] if any(getattr(c, "threads", 0) > 0 for c in calls) else SPLIT
 
 
 class CoreGate:
