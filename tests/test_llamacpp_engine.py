@@ -39,7 +39,7 @@ def prompt_ids(codec):
 def _one_at_a_time(engine, seq, tokens, start):
     from ssd.engine.engine import ExtendCall
 
-    engine.release(seq)
+    engine.release(seq, keep_prefix=False)
     engine.extend([ExtendCall(seq, tokens[:start], 1)])
     return torch.cat([engine.extend([ExtendCall(seq, tokens[: i + 1], 1)])[0] for i in range(start, len(tokens))])
 
@@ -60,20 +60,20 @@ def test_row_logits_do_not_depend_on_row_count_batch_or_threads(llama, prompt_id
     start = len(prompt_ids) - 24
     ref = _one_at_a_time(llama, "ref", prompt_ids, start)
     for chunk in (2, 3, 4, 6, 8, 12):  # verify-sized forwards; from 8 rows llama.cpp would tile
-        llama.release("c")
+        llama.release("c", keep_prefix=False)
         llama.extend([ExtendCall("c", prompt_ids[:start], 1)])
         rows = [llama.extend([ExtendCall("c", prompt_ids[: i + chunk], chunk)])[0]
                 for i in range(start, len(prompt_ids), chunk)]
         assert torch.equal(torch.cat(rows), ref), f"{chunk}-row forwards changed a row's logits"
     # the same rows batched with other sequences of other lengths, one of them a prefill
-    llama.release("b")
+    llama.release("b", keep_prefix=False)
     llama.extend([ExtendCall("b", prompt_ids[:start], 1)])
     out = llama.extend([ExtendCall("o1", prompt_ids[3:20], 2), ExtendCall("b", prompt_ids, 24),
                         ExtendCall("o2", prompt_ids[:7], 1)])
     assert [o.shape[0] for o in out] == [2, 24, 1]
     assert torch.equal(out[1], ref)
     # a short prompt's context rows (6: the vec_dot kernel) beside a long prompt's (the tiled one)
-    llama.release("o2")
+    llama.release("o2", keep_prefix=False)
     assert torch.equal(llama.extend([ExtendCall("o2", prompt_ids[:7], 1)])[0], out[2])
     assert llama.allows_threads(2)  # its own check: the same bits at 2 threads
     llama.set_threads(2)
@@ -94,13 +94,13 @@ def test_prompts_are_timed_apart_from_logit_rows(llama, prompt_ids):
     llama.extend([ExtendCall("p", prompt_ids, 2)])
     timing = llama.take_timing()
     assert [rows for rows, _ in timing] == [0, 2] and all(s > 0 for _, s in timing)
-    out = TargetWorker(llama).verify([VerifyCall("p", prompt_ids + [5], [6]), VerifyCall("q", prompt_ids, [])])
+    out = TargetWorker(llama).verify([VerifyCall("p", prompt_ids + [5], [6]), VerifyCall("q", [7] + prompt_ids, [])])
     assert out[0].prompt_seconds > 0 and out[0].prompt_seconds == out[1].prompt_seconds  # "q" prefilled
     assert 0 not in [rows for rows, _ in out[0].timing[1:]] and out[0].timing[0][0] == 0
     out = TargetWorker(llama).verify([VerifyCall("p", prompt_ids + [5, 7], [])])
     assert out[0].prompt_seconds == 0  # decode rows only
-    llama.release("p")
-    llama.release("q")
+    llama.release("p", keep_prefix=False)
+    llama.release("q", keep_prefix=False)
 
 
 def test_forwards_pack_consecutive_streams_with_equal_rows():
@@ -137,7 +137,7 @@ def test_sequences_decoded_together_keep_their_bits(llama, prompt_ids):
     starts = [len(prompt_ids) - 12, len(prompt_ids) - 10, len(prompt_ids) - 8]
     refs = [_one_at_a_time(llama, f"alone{k}", prompt_ids[k:], s - k) for k, s in enumerate(starts)]
     for seq in list(llama.sequences):  # the references' and what earlier tests left
-        llama.release(seq)
+        llama.release(seq, keep_prefix=False)
     for k, s in enumerate(starts):
         llama.extend([ExtendCall(f"t{k}", prompt_ids[k:s], 1)])
     assert [llama.sequences[f"t{k}"].index for k in range(3)] == [0, 1, 2]  # the lowest free streams
@@ -150,7 +150,7 @@ def test_sequences_decoded_together_keep_their_bits(llama, prompt_ids):
             got[k].append(o)
     for k in range(3):
         assert torch.equal(torch.cat(got[k]), refs[k][: sum(o.shape[0] for o in got[k])])
-        llama.release(f"t{k}")
+        llama.release(f"t{k}", keep_prefix=False)
 
 
 def test_the_load_check_sees_the_kernel_switch(llama, llama_target):
@@ -179,19 +179,19 @@ def test_prompts_prefilled_together_keep_their_bits(llama, prompt_ids):
     lengths = (len(prompt_ids), len(prompt_ids) - 9, 40)
     alone = []
     for n in lengths:
-        llama.release("solo")
+        llama.release("solo", keep_prefix=False)
         alone.append(llama.extend([ExtendCall("solo", prompt_ids[:n], 3)])[0])
-    llama.release("solo")
+    llama.release("solo", keep_prefix=False)
     together = llama.extend([ExtendCall(f"p{j}", prompt_ids[:n], 3) for j, n in enumerate(lengths)])
     for j, (a, t) in enumerate(zip(alone, together)):
         assert torch.equal(a, t), f"prompt {j} changed its logits when prefilled with others"
-        llama.release(f"p{j}")
+        llama.release(f"p{j}", keep_prefix=False)
     start = len(prompt_ids) - 30
     steps = _one_at_a_time(llama, "steps", prompt_ids, start)
-    llama.release("steps")
-    llama.release("once")
+    llama.release("steps", keep_prefix=False)
+    llama.release("once", keep_prefix=False)
     assert torch.equal(llama.extend([ExtendCall("once", prompt_ids, 4)])[0], steps[-4:])
-    llama.release("once")
+    llama.release("once", keep_prefix=False)
 
 
 def test_rollback_and_eviction_recompute_the_same_bits(llama, prompt_ids):
@@ -205,14 +205,58 @@ def test_rollback_and_eviction_recompute_the_same_bits(llama, prompt_ids):
     llama.truncate("r", len(prompt_ids) - 5)
     assert llama.cached_tokens("r") == prompt_ids[:-5]
     assert torch.equal(llama.extend([ExtendCall("r", prompt_ids, 6)])[0], full)
-    for i in range(4):  # four more sequences than the engine's 4 streams: "r" is evicted
-        llama.extend([ExtendCall(f"e{i}", prompt_ids[:10 + i], 1)])
+    for i in range(4):  # four more sequences than the engine's 4 streams: "r" is evicted, its KV overwritten
+        llama.extend([ExtendCall(f"e{i}", prompt_ids[::-1][:40 + i], 1)])
     assert llama.cached_tokens("r") == []
     assert torch.equal(llama.extend([ExtendCall("r", prompt_ids, 6)])[0], full)
     out = llama.extend([ExtendCall(f"g{i}", prompt_ids[:20 + i], 1) for i in range(6)])  # 6 > 4: in groups
     assert len(out) == 6
     with pytest.raises(ValueError, match="max_len"):
         llama.extend([ExtendCall("long", list(range(512 + 65)), 1)])
+
+
+def test_a_new_sequence_takes_the_stream_that_holds_its_prefix(llama_target, prompt_ids):
+    """A released sequence's KV stays in its stream: a later sequence takes the free stream whose
+    kept tokens share the longest prefix with its own (not the lowest one) and computes only the
+    rest, with the logits a fresh prefill gives; after a release with keep_prefix=False nothing is
+    reused."""
+    from ssd.engine.engine import ExtendCall
+    from ssd.engine.llamacpp_engine import LlamaCppEngine
+
+    e = LlamaCppEngine(llama_target, threads=1, max_sequences=3, max_len=512)
+    other = prompt_ids[::-1]
+    fresh = e.extend([ExtendCall("a", prompt_ids, 4)])[0]
+    fresh_other = e.extend([ExtendCall("x", other, 2)])[0]
+    assert e.take_reused() == {"a": 0, "x": 0}
+    assert (e.sequences["a"].index, e.sequences["x"].index) == (0, 1)
+    e.release("a")
+    e.release("x")
+    e.take_timing()
+    assert torch.equal(e.extend([ExtendCall("y", other, 2)])[0], fresh_other)
+    assert e.sequences["y"].index == 1 and e.take_reused() == {"y": len(other) - 2}
+    assert [rows for rows, _ in e.take_timing()] == [2]  # no prompt forward: only the two logit rows
+    turn = prompt_ids + [11, 12, 13]  # a conversation's next turn: its history is the kept prefix
+    assert torch.equal(e.extend([ExtendCall("b", turn, 7)])[0][:4], fresh)
+    assert e.sequences["b"].index == 0 and e.take_reused() == {"b": len(prompt_ids) - 4}
+    e.release("b", keep_prefix=False)
+    assert torch.equal(e.extend([ExtendCall("c", prompt_ids, 4)])[0], fresh)
+    assert e.take_reused() == {"c": 0}
+
+
+def test_a_repeated_prompt_reuses_its_prefix_and_decodes_the_same(llama, engines, codec):
+    from ssd.algorithm.sampling import SamplingParams
+    from ssd.decoding.generator import DecodeConfig, Generation
+
+    client = _client(llama, engines["weak"])
+    ids = codec.encode_prompt(PROMPTS[4] + " Answer in one line.")
+    runs = []
+    for cfg in (DecodeConfig(mode="ar"), DecodeConfig(mode="sd", k=3)):
+        g = Generation(client, "rep", list(ids), SamplingParams(), 0, cfg, None)
+        runs.append((asyncio.run(g.take(N_TOKENS)), g.stats))
+    (first, s1), (second, s2) = runs
+    assert s1.prompt_tokens == s2.prompt_tokens == len(ids)
+    assert s1.cached_prompt_tokens < len(ids) - 1 and s2.cached_prompt_tokens == len(ids) - 1
+    assert second == first
 
 
 def _client(target, drafter):

@@ -52,6 +52,7 @@ def test_chat_greedy_equals_generate_endpoint(server, client, codec, mode):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     stats = r.model_extra["ssd_stats"]
     assert stats["mode"] == mode and stats["new_tokens"] == len(ref["output_ids"])
+    assert r.usage.prompt_tokens_details.cached_tokens == stats["cached_prompt_tokens"] < r.usage.prompt_tokens
 
 
 def test_completion_greedy_equals_generate_endpoint(server, client, codec):
@@ -92,6 +93,7 @@ def test_chat_stream_deltas_concatenate_to_the_whole_text(client):
     assert len(finals) == 1 and finals[0].choices[0].finish_reason == whole.choices[0].finish_reason
     assert finals[0].model_extra["ssd_stats"]["new_tokens"] == whole.usage.completion_tokens
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == finals[0].model_extra["ssd_stats"]["cached_prompt_tokens"]
 
 
 def test_completion_stream_ends_with_done(frontend, client):

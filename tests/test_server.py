@@ -187,7 +187,8 @@ def test_metrics_count_requests(server):
     with urllib.request.urlopen(f"http://{server.address}:{server.metrics_port}/metrics") as r:
         after = r.read().decode()
     assert count(after, "ssd") - count(before, "ssd") == 2
-    for name in ("ssd_output_tokens_total", "ssd_rounds_total", "ssd_cache_lookups_total", "ssd_active_requests"):
+    for name in ("ssd_output_tokens_total", "ssd_rounds_total", "ssd_cache_lookups_total", "ssd_active_requests",
+                 "ssd_prompt_tokens_total", "ssd_prompt_tokens_cached_total"):
         assert name in after
 
 

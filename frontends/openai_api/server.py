@@ -97,9 +97,12 @@ class OpenAIFrontend:
             text, ids, last = text + piece.text, ids + piece.ids, piece
         return web.json_response(self._whole(call, text, ids, last))
 
-    def _usage(self, call: GenerateCall, n_out: int) -> dict:
+    def _usage(self, call: GenerateCall, n_out: int, stats: dict | None) -> dict:
         n_in = self.prompt_tokens(call.text)
-        return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+        usage = {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+        if stats and "cached_prompt_tokens" in stats:  # OpenAI's field for a prompt prefix found cached
+            usage["prompt_tokens_details"] = {"cached_tokens": stats["cached_prompt_tokens"]}
+        return usage
 
     def _head(self, call: GenerateCall, kind: str) -> dict:
         prefix = "chatcmpl" if call.chat else "cmpl"
@@ -114,7 +117,7 @@ class OpenAIFrontend:
         else:
             out = self._head(call, "text_completion")
             choice = {"index": 0, "text": text, "finish_reason": last.finish_reason, "logprobs": None}
-        out.update(choices=[choice], usage=self._usage(call, len(ids)), ssd_stats=last.stats)
+        out.update(choices=[choice], usage=self._usage(call, len(ids), last.stats), ssd_stats=last.stats)
         return out
 
     async def _stream(self, request: web.Request, call: GenerateCall, first, pieces) -> web.StreamResponse:
@@ -133,7 +136,7 @@ class OpenAIFrontend:
                 choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
             return {**head, "choices": [choice]}
 
-        n_out = 0
+        n_out, stats = 0, None
         try:
             if call.chat:
                 await send(chunk(None, None, role=True))
@@ -144,10 +147,11 @@ class OpenAIFrontend:
                     await send(chunk(piece.text, None))
                 if piece.finish_reason is not None:
                     await send({**chunk(None, piece.finish_reason), "ssd_stats": piece.stats})
+                    stats = piece.stats
                     break
                 piece = await pieces.__anext__()
             if call.include_usage:
-                await send({**head, "choices": [], "usage": self._usage(call, n_out)})
+                await send({**head, "choices": [], "usage": self._usage(call, n_out, stats)})
         except ApiError as e:  # a failure after the stream began: reported in-band, as OpenAI does
             await send(e.body())
         except StopAsyncIteration:

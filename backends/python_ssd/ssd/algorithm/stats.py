@@ -32,6 +32,8 @@ class RequestStats:
     t_verify_timed: float = 0.0
     t_verify_forward: float = 0.0
     prefill_s: float = 0.0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of them, found in the target's KV (a kept prefix): not computed
     prefill_threads: int = 0  # the prefill's layout: 0 split (the target's own threads), else wide
     decode_s: float = 0.0
     new_tokens: int = 0
@@ -119,6 +121,8 @@ class RequestStats:
             "t_b": round(t_b, 4),
             "t_sd_draft": round(t_d, 4),
             "prefill_s": round(self.prefill_s, 4),
+            "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "prefill_threads": self.prefill_threads,
             "decode_s": round(self.decode_s, 4),
             "decode_tokens_per_s": round(decode_tps, 3),

@@ -138,6 +138,7 @@ class Generation:
             t0 = time.perf_counter()
             first = await self._prefill()
             self.stats.prefill_s = time.perf_counter() - t0
+            self.stats.prompt_tokens, self.stats.cached_prompt_tokens = len(self.prompt), first.cached_tokens
             prefix = self.prompt + [first.token]
             self.round += 1
             self.stats.new_tokens = 1

@@ -24,10 +24,14 @@ Why these settings (docs/cpu_engine.md has the measurements):
   must occupy the same cells whatever else is cached: one KV stream per sequence (kv_unified off),
   allocated once: max_sequences x (max_len + DRAFT_HEADROOM) x the model's KV bytes per token.
 - Flash attention off: its CPU kernel takes a tiled path for larger batches.
+- A released sequence's stream keeps its KV until another sequence needs the stream, and a new
+  sequence takes the free stream whose kept tokens share the longest prefix with its own (llama.cpp's
+  `cache_prompt`, vLLM's prefix caching): a chat template's system prompt, or a conversation's
+  earlier turns, are not computed again. Exact for the reasons above: the kept rows have the bits a
+  new prefill would give them, in the cells it would put them in.
 """
 from __future__ import annotations
 
-import heapq
 import json
 import os
 import time
@@ -138,7 +142,8 @@ class LlamaCppEngine:
         self.exact = exact
         self.folder = folder
         self.sequences: dict[str, Slot] = {}
-        self.free = list(range(self.max_sequences))  # a heap: a new sequence takes the lowest free stream
+        self.free = {i: [] for i in range(self.max_sequences)}  # free stream -> the tokens its KV still holds
+        self.reused: dict[str, int] = {}  # new sequences' prompt tokens found in a free stream (take_reused)
         self.timing: list[tuple[int, float]] = []
         self._thread_check: dict[int, bool] = {}
         self.logit_rows = N_BATCH
@@ -170,6 +175,7 @@ class LlamaCppEngine:
         finally:
             self.logit_rows = saved
             self.timing.clear()
+            self.reused.clear()
 
     def _probe_keeps_bits(self, n: int, prefix: int, step: int) -> bool:
         ids = [(step * i) % (self.vocab_size - 10) + 10 for i in range(prefix + n)]
@@ -180,11 +186,11 @@ class LlamaCppEngine:
         self.truncate(probe, prefix)  # the same prefix KV under both
         self.logit_rows = n
         together = self.extend([ExtendCall(probe, ids, n)])[0]
-        self.release(probe)
+        self.release(probe, keep_prefix=False)
         return torch.equal(one, together)
 
     # -- sequences -----------------------------------------------------------------------------------
-    def _slot(self, seq_id: str, keep: set[str]) -> Slot:
+    def _slot(self, seq_id: str, keep: set[str], tokens: list[int]) -> Slot:
         s = self.sequences.get(seq_id)
         if s is None:
             if not self.free:  # evict the least recently used sequence not in this call
@@ -192,16 +198,28 @@ class LlamaCppEngine:
                 if not candidates:
                     raise RuntimeError(f"more than max_sequences ({self.max_sequences}) sequences in one call")
                 self.release(min(candidates, key=lambda k: self.sequences[k].last_used))
-            s = Slot(heapq.heappop(self.free))  # the lowest: the live streams stay consecutive (pack_forwards)
+            # the longest kept prefix; on a tie the lowest stream, so the live streams stay consecutive
+            # (pack_forwards)
+            index = max(self.free, key=lambda i: (common_prefix(self.free[i], tokens), -i))
+            s = Slot(index, self.free.pop(index))
             self.sequences[seq_id] = s
         s.last_used = time.monotonic()
         return s
 
-    def release(self, seq_id: str) -> None:
+    def release(self, seq_id: str, keep_prefix: bool = True) -> None:
+        """Frees the sequence's stream; its KV stays for a later sequence with the same prefix unless
+        ``keep_prefix`` is False (checks that must compute every row)."""
         s = self.sequences.pop(seq_id, None)
         if s is not None:
-            self.L.llama_memory_seq_rm(self.memory, s.index, 0, -1)
-            heapq.heappush(self.free, s.index)
+            if not keep_prefix:
+                self.L.llama_memory_seq_rm(self.memory, s.index, 0, -1)
+            self.free[s.index] = s.tokens if keep_prefix else []
+
+    def take_reused(self) -> dict[str, int]:
+        """Per sequence that took a stream since the last call: its leading tokens whose KV the
+        stream already held (they are not computed)."""
+        out, self.reused = self.reused, {}
+        return out
 
     def cached_tokens(self, seq_id: str) -> list[int]:
         s = self.sequences.get(seq_id)
@@ -231,10 +249,13 @@ class LlamaCppEngine:
             if len(c.tokens) > self.max_len + DRAFT_HEADROOM:
                 raise ValueError(f"sequence length {len(c.tokens)} exceeds the engine's max_len {self.max_len} "
                                  f"(+ {DRAFT_HEADROOM} draft rows)")
-            s = self._slot(c.seq_id, keep)
+            new = c.seq_id not in self.sequences
+            s = self._slot(c.seq_id, keep, c.tokens)
             n_logits = max(1, min(c.n_logits, len(c.tokens)))
             first_logit = len(c.tokens) - n_logits
             start = min(common_prefix(s.tokens, c.tokens), first_logit)
+            if new:
+                self.reused[c.seq_id] = start
             self.L.llama_memory_seq_rm(self.memory, s.index, start, -1)
             s.tokens = list(c.tokens[:start])
             if start < first_logit:

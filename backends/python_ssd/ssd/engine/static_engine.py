@@ -155,7 +155,8 @@ class StaticEngine(TorchEngine):
         s.last_used = time.monotonic()
         return s
 
-    def release(self, seq_id: str) -> None:
+    def release(self, seq_id: str, keep_prefix: bool = True) -> None:
+        """Frees the sequence's slot (a later sequence computes its prefix again, whatever ``keep_prefix`` says)."""
         s = self.sequences.pop(seq_id, None)
         if s is not None:
             self.free_slots.append(s.kv.slot)

@@ -14,6 +14,9 @@ class Metrics:
             "requests": fam("ssd_requests_total", "Generate requests finished, by mode and status", C),
             "tokens": fam("ssd_output_tokens_total", "Output tokens generated, by mode", C),
             "rounds": fam("ssd_rounds_total", "Decoding rounds (target verifies), by mode", C),
+            "prompt": fam("ssd_prompt_tokens_total", "Prompt tokens of finished requests", C),
+            "prompt_cached": fam("ssd_prompt_tokens_cached_total",
+                                 "Prompt tokens whose KV the target already held (a kept prefix): not computed", C),
             "lookups": fam("ssd_cache_lookups_total", "Speculation cache lookups, by result", C),
             "backup": fam("ssd_backup_used_total", "Drafts made by a backup after a miss, by kind", C),
             "policy": fam("ssd_policy_decisions_total",
@@ -74,6 +77,8 @@ class Metrics:
             return
         self._metric("tokens", mode=mode).increment(stats["new_tokens"])
         self._metric("rounds", mode=mode).increment(stats["rounds"])
+        self._metric("prompt").increment(stats["prompt_tokens"])
+        self._metric("prompt_cached").increment(stats["cached_prompt_tokens"])
         if stats["cache_hits"]:
             self._metric("lookups", result="hit").increment(stats["cache_hits"])
         if stats["cache_misses"]:

@@ -36,6 +36,7 @@ class VerifyResult:
     # seconds the call's message spent on prompts (new requests' prefills batched with it): time
     # the round waited for, whatever its choice
     prompt_seconds: float = 0.0
+    cached_tokens: int = 0  # the call's first for its sequence: prompt tokens whose KV the engine already held
 
 
 @dataclass

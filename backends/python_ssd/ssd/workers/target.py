@@ -44,8 +44,10 @@ class TargetWorker:
         timing = self.engine.take_timing()
         # engines that run prompts in forwards of their own report them as 0 rows (llamacpp_engine.py)
         prompts = sum(s for rows, s in timing if rows == 0)
-        for r in out:
+        reused = self.engine.take_reused()
+        for c, r in zip(calls, out):
             r.prompt_seconds = prompts
+            r.cached_tokens = reused.get(c.seq_id, 0)
         return attach_timing(out, timing)
 
     def release(self, seq_id: str) -> None:
