@@ -304,3 +304,17 @@ def test_bench_and_loadtest_share_one_table_writer_and_one_request_body(tmp_path
                       'ssd_active_requests 0\n')
     assert m == {("ssd_requests_total", frozenset({("mode", "ssd"), ("status", "ok")})): 3.0,
                  ("ssd_active_requests", frozenset()): 0.0}
+
+
+def test_paired_summary_sums_each_side_and_divides_ours_by_llama():
+    from ssd_tools.llamacpp.paired import summarize
+
+    def side(pre, dec, tokens=64):
+        return {"prefill_s": pre, "decode_s": dec, "latency_s": pre + dec + 0.1, "tokens": tokens}
+
+    pairs = [{"llama": side(1.0, 3.0), "ours": side(1.5, 3.5)}, {"llama": side(2.0, 3.0), "ours": side(1.5, 2.5)}]
+    s = summarize(pairs)
+    assert s["llama"]["prefill_s"] == 3.0 and s["ours"]["decode_s"] == 6.0 and s["ours"]["tokens"] == 128
+    assert s["ours_over_llama"] == {"prefill_s": 1.0, "decode_s": 1.0, "latency_s": round(9.2 / 9.2, 3)}
+    pairs[0]["ours"] = side(3.0, 3.5)
+    assert summarize(pairs)["ours_over_llama"]["prefill_s"] == 1.5

@@ -1,0 +1,100 @@
+"""One user, paired: both servers up, each load-test prompt sent to llama-server and to ours in
+turn (which goes first alternates), so the VM's drift between minutes hits both sides alike. The
+load sweep's cells run one after the other and move +-15%; these pairs compare the same prompt
+within seconds. Prints each pair's prefill, decode and latency and the totals' ratios.
+
+    .venv/bin/python tools/llamacpp/paired.py --prompts 15 --out results/paired
+
+Both sides with their default prompt caching (llama-server's `cache_prompt`, our target's kept
+prefixes), greedy, the load test's prompts and chat template, llama-server with one slot on the
+same cores and GGUF file. Prefill is each side's own figure (llama.cpp's `prompt_ms`, our
+`prefill_s`); decode is llama.cpp's `predicted_ms` and, for ours, the request's latency after its
+prefill (so ours also carries the HTTP answer); latency is the client's, for both.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+from ssd_loadtest.traffic import body, prompts
+from ssd_tools.bench.llamacpp import LlamaServer, PeerConfig, build, gguf_by_role
+from ssd_tools.runner import config_pair, generate, start_pair
+
+REPO = Path(__file__).resolve().parents[2]
+DATASETS = ["humaneval", "gsm8k", "mtbench"]
+FIELDS = ("prefill_s", "decode_s", "latency_s")
+
+
+def llama_request(url: str, prompt: str, max_tokens: int, cache_prompt: bool) -> dict:
+    b = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0.0,
+         "top_k": 1, "cache_prompt": cache_prompt}
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(b).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=1800) as r:
+        d = json.loads(r.read())
+    t = d["timings"]
+    return {"latency_s": time.perf_counter() - t0, "prefill_s": t["prompt_ms"] / 1000, "decode_s": t["predicted_ms"] / 1000,
+            "tokens": t["predicted_n"], "prompt_tokens": t["prompt_n"] + t.get("cache_n", 0),
+            "cached_prompt_tokens": t.get("cache_n", 0)}
+
+
+def our_request(url: str, prompt: str, max_tokens: int) -> dict:
+    d = generate(url, body(prompt, max_tokens, "ssd"))
+    s = d["stats"]
+    return {"latency_s": d["latency_s"], "prefill_s": s["prefill_s"], "decode_s": d["latency_s"] - s["prefill_s"],
+            "tokens": s["new_tokens"], "prompt_tokens": s["prompt_tokens"],
+            "cached_prompt_tokens": s["cached_prompt_tokens"], "choices": s["rounds_by_choice"]}
+
+
+def summarize(pairs: list[dict]) -> dict:
+    """Each side's totals of FIELDS and tokens, and ours over llama.cpp's per field."""
+    tot = {side: {f: round(sum(p[side][f] for p in pairs), 3) for f in FIELDS + ("tokens",)} for side in ("llama", "ours")}
+    return {**tot, "ours_over_llama": {f: round(tot["ours"][f] / tot["llama"][f], 3) for f in FIELDS if tot["llama"][f]}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=15, help="pairs: the load test's first N prompts")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--no-cache-prompt", action="store_true", help="llama-server without cache_prompt")
+    ap.add_argument("--config", type=Path, default=REPO / "engines/default.yaml")
+    ap.add_argument("--engine-root", type=Path, default=REPO / "engines")
+    ap.add_argument("--out", type=Path, default=REPO / "results/paired")
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    every = prompts(DATASETS, 16)
+    chosen, warm = every[:a.prompts], every[-1]  # the warm-up prompt is none of the measured ones
+    target = gguf_by_role(a.config, a.engine_root)["target"]
+    ours = start_pair(config_pair(a.config, a.engine_root), "paired", "split")
+    url, pairs = f"http://{ours.http_url}", []
+    try:
+        with LlamaServer(build(), PeerConfig(target, parallel=1, ctx_per_slot=2048),
+                         log_file=a.out / "llama_server.log") as peer:
+            llama_request(peer.url, warm, 8, not a.no_cache_prompt)
+            our_request(url, warm, 8)
+            for i, prompt in enumerate(chosen):
+                pair = {}
+                for side in (("llama", "ours") if i % 2 == 0 else ("ours", "llama")):
+                    pair[side] = (llama_request(peer.url, prompt, a.max_tokens, not a.no_cache_prompt)
+                                  if side == "llama" else our_request(url, prompt, a.max_tokens))
+                pairs.append(pair)
+                l, o = pair["llama"], pair["ours"]
+                print(f"prompt {i:2d}: {o['prompt_tokens']} tokens ({l['cached_prompt_tokens']} / "
+                      f"{o['cached_prompt_tokens']} cached), prefill {l['prefill_s']:.2f} / {o['prefill_s']:.2f} s, "
+                      f"decode {l['decode_s']:.2f} / {o['decode_s']:.2f} s, latency {l['latency_s']:.2f} / "
+                      f"{o['latency_s']:.2f} s (llama-server / ours)", flush=True)
+    finally:
+        ours.stop()
+    summary = summarize(pairs)
+    (a.out / "paired.json").write_text(json.dumps({"pairs": pairs, "summary": summary}, indent=1))
+    print("| seconds (sum over pairs) | llama-server | ours | ours / llama-server |\n|---|---|---|---|")
+    for f in FIELDS:
+        print(f"| {f} | {summary['llama'][f]} | {summary['ours'][f]} | {summary['ours_over_llama'].get(f, '-')} |")
+
+
+if __name__ == "__main__":
+    main()
