@@ -1,5 +1,5 @@
 """What every Locust user here sends and reads (loadtest/locustfile.py, loadtest/soak_locustfile.py,
-tools/llamacpp/llama_locustfile.py): the prompts, the `ssd` model's request body, a response's ids.
+tools/llamacpp/llama_locustfile.py): the prompts, the `ssd` model's and llama-server's request bodies, a response's ids.
 No Locust listeners, so any locustfile imports it without taking on another's options."""
 from __future__ import annotations
 
@@ -23,6 +23,13 @@ def body(prompt: str, max_tokens: int, mode: str, stream: bool = False, **sampli
     """A generate(_stream) request; greedy unless ``sampling`` sets temperature (and top_p, seed)."""
     return {"text_input": prompt, "max_tokens": max_tokens, "mode": mode, "temperature": 0.0, "stream": stream,
             **sampling}
+
+
+def llama_chat_body(prompt: str, max_tokens: int, cache_prompt: bool = True) -> dict:
+    """llama-server's OpenAI chat request for the same prompt (its GGUF's chat template is the one
+    our server applies), greedy; ``cache_prompt`` on is llama-server's default."""
+    return {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0.0,
+            "top_k": 1, "cache_prompt": cache_prompt}
 
 
 def output_ids(v) -> list[int]:

@@ -16,11 +16,11 @@ from locust import task
 
 # its listeners (-i, the host check, the summary) and its closed-loop user
 from ssd_loadtest import locustfile as ssd_load
+from ssd_loadtest.traffic import llama_chat_body
 
 
 class LlamaServerUser(ssd_load.ClosedLoopUser):
     @task
     def generate(self):
-        body = {"messages": [{"role": "user", "content": ssd_load.next_prompt()}], "max_tokens": ssd_load.MAX_TOKENS,
-                "temperature": 0.0, "top_k": 1, "cache_prompt": True}
+        body = llama_chat_body(ssd_load.next_prompt(), ssd_load.MAX_TOKENS)
         self.post_counted("/v1/chat/completions", body, "chat", lambda d: int(d["usage"]["completion_tokens"]))

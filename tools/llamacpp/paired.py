@@ -19,7 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ssd_loadtest.traffic import body, prompts
+from ssd_loadtest.traffic import body, llama_chat_body, prompts
 from ssd_tools.bench.llamacpp import LlamaServer, PeerConfig, build, gguf_by_role
 from ssd_tools.runner import config_pair, generate, start_pair
 
@@ -29,8 +29,7 @@ FIELDS = ("prefill_s", "decode_s", "latency_s")
 
 
 def llama_request(url: str, prompt: str, max_tokens: int, cache_prompt: bool) -> dict:
-    b = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0.0,
-         "top_k": 1, "cache_prompt": cache_prompt}
+    b = llama_chat_body(prompt, max_tokens, cache_prompt)
     req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(b).encode(),
                                  headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
