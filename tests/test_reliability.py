@@ -121,7 +121,10 @@ def stub_pid(s, model: str) -> int:
 
 
 def _stream_with_fault(s, body: dict, fault) -> tuple[list[int], str | None, dict | None]:
-    """Streams ``body``; calls ``fault()`` once the first chunk arrived. (ids, error, stats)."""
+    """Streams ``body``; calls ``fault()`` once the first chunk arrived. (ids, error, stats).
+
+    ``fault`` must be instant (a kill of a pid found beforehand): the rest of the request runs
+    meanwhile, and a ``ps`` on a machine with many processes can outlast it."""
     import http.client
 
     conn = http.client.HTTPConnection(s.address, s.http_port, timeout=DEADLINE)
@@ -169,12 +172,12 @@ def test_every_engine_is_up_and_holds_nothing_at_rest(srv):
 
 
 def test_drafter_death_mid_request_keeps_output_exact_and_the_drafter_comes_back(srv, reference):
-    before = _restarts(srv, "drafter_primary")
+    before, pid = _restarts(srv, "drafter_primary"), stub_pid(srv, "drafter_primary")
     # pinned to SSD (step_aside false): with measured costs the scheduler may run this batch of one
     # as AR rounds, which never call the drafter and so could not notice it dying
     ids, err, stats = _stream_with_fault(srv, {"text_input": PROMPT, "max_tokens": LONG, "mode": "ssd",
                                                "step_aside": False},
-                                         lambda: os.kill(stub_pid(srv, "drafter_primary"), signal.SIGKILL))
+                                         lambda: os.kill(pid, signal.SIGKILL))
     assert err is None and ids == reference
     assert stats["degraded"], "the request did not notice its drafter dying"
     seen = _recovery(srv, "drafter_primary", before)
@@ -192,10 +195,10 @@ def test_drafter_death_mid_request_keeps_output_exact_and_the_drafter_comes_back
 def test_target_death_fails_only_the_request_in_flight(srv, reference):
     from ssd.serving.errors import http_status
 
-    for _ in range(3):  # the kill follows the first chunk; on a busy machine the request may end first
-        before = _restarts(srv, "target")
+    for _ in range(5):  # the kill follows the first chunk; on a busy machine the request may end first
+        before, pid = _restarts(srv, "target"), stub_pid(srv, "target")
         ids, err, _ = _stream_with_fault(srv, {"text_input": PROMPT, "max_tokens": LONG, "mode": "sd"},
-                                         lambda: os.kill(stub_pid(srv, "target"), signal.SIGKILL))
+                                         lambda: os.kill(pid, signal.SIGKILL))
         if err is not None:
             break
         assert ids == reference  # it finished before the fault landed: still exact
