@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from ssd_loadtest.traffic import prompts as interleaved_prompts
+from ssd_tools.prompts import ALL as ALL_DATASETS
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -48,7 +49,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--mode", default="ssd", choices=["ar", "sd", "ssd"])
-    ap.add_argument("--datasets", default="humaneval,gsm8k,mtbench")
+    ap.add_argument("--datasets", default=ALL_DATASETS)
     ap.add_argument("--prompts-per-dataset", type=int, default=16)
     ap.add_argument("--out", type=Path, default=REPO / "results" / "aiperf")
     a = ap.parse_args()

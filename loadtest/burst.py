@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from ssd_loadtest.traffic import prompts
+from ssd_tools.prompts import ALL as ALL_DATASETS
 from ssd_tools.runner import config_pair, generate, ssd_params, start_pair
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,7 +28,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--users", type=int, default=16, help="requests sent at once")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--datasets", default="humaneval,gsm8k,mtbench")
+    ap.add_argument("--datasets", default=ALL_DATASETS)
     ap.add_argument("--config", type=Path, default=REPO / "engines/default.yaml")
     ap.add_argument("--engine-root", type=Path, default=REPO / "engines")
     ap.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",

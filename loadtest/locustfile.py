@@ -36,7 +36,7 @@ from ssd_loadtest import traffic
 
 MODE = os.environ.get("SSD_MODE", "ssd")
 MAX_TOKENS = int(os.environ.get("SSD_MAX_TOKENS", "64"))
-DATASETS = [d for d in os.environ.get("SSD_DATASETS", "humaneval,gsm8k,mtbench").split(",") if d]
+DATASETS = traffic.env_datasets()
 PER_DATASET = int(os.environ.get("SSD_PROMPTS_PER_DATASET", "16"))
 SUMMARY = os.environ.get("SSD_SUMMARY", "")
 HEADERS = {"Accept-Encoding": "identity"}  # SSE lines must arrive as sent, uncompressed

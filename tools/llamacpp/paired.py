@@ -21,10 +21,10 @@ from pathlib import Path
 
 from ssd_loadtest.traffic import body, llama_chat_body, prompts
 from ssd_tools.bench.llamacpp import LlamaServer, PeerConfig, build, gguf_by_role
+from ssd_tools.prompts import DATASETS
 from ssd_tools.runner import config_pair, generate, start_pair
 
 REPO = Path(__file__).resolve().parents[2]
-DATASETS = ["humaneval", "gsm8k", "mtbench"]
 FIELDS = ("prefill_s", "decode_s", "latency_s")
 
 
@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "results/paired")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
-    every = prompts(DATASETS, 16)
+    every = prompts(list(DATASETS), 16)
     chosen, warm = every[:a.prompts], every[-1]  # the warm-up prompt is none of the measured ones
     target = gguf_by_role(a.config, a.engine_root)["target"]
     ours = start_pair(config_pair(a.config, a.engine_root), "paired", "split")
