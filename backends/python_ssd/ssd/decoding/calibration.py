@@ -39,7 +39,7 @@ def shapes(max_batch: int) -> list[tuple[int, int]]:
 async def calibrate(client, model: CostModel, wide_threads: int, max_batch: int) -> int:
     """Runs each shape on the target (verify) and the drafter (draft) at the split layout and, where
     offered, the wide one; returns the number of forwards measured. ``client`` needs ``call_many``
-    (the coalescer is bypassed: these calls are not a round of the batch)."""
+    and ``release_many`` (the coalescer is bypassed: these calls are not a round of the batch)."""
     greedy = SamplingParams(temperature=0.0)
     measured = 0
     for threads in (0, wide_threads) if wide_threads > 0 else (0,):
@@ -53,8 +53,7 @@ async def calibrate(client, model: CostModel, wide_threads: int, max_batch: int)
                 draft = await client.call_many("draft", [DraftCall(s, [TOKEN], 1, greedy, threads=threads)
                                                          for s in ids]) if rows == 1 else []
             finally:
-                for s in ids:
-                    await client.release(s)
+                await client.release_many(ids)
             for curve, results in ((target, verify), (drafter, draft)):
                 if results and not isinstance(results[0], Exception):
                     for n, seconds in results[0].timing:

@@ -48,6 +48,10 @@ class LocalClient:
         return await self._one("fast_draft", call)
 
     async def release(self, seq_id: str) -> None:
+        await self.release_many([seq_id])
+
+    async def release_many(self, seq_ids: list[str]) -> None:
         for w in (self.target, self.drafter, self.fast):
             if w is not None:
-                w.release(seq_id)
+                for s in seq_ids:
+                    w.release(s)

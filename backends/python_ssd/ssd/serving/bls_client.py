@@ -59,8 +59,12 @@ class BLSClient:
         return await self._call("fast_draft", call)
 
     async def release(self, seq_id: str) -> None:
+        await self.release_many([seq_id])
+
+    async def release_many(self, seq_ids: list[str]) -> None:
+        """One message an engine for all of ``seq_ids``."""
         for model in ("target", "drafter", "backup"):
             try:
-                await self._send(model, "release", [ReleaseCall(seq_id)])
+                await self._send(model, "release", [ReleaseCall(s) for s in seq_ids])
             except CallError:
-                pass  # an engine that lost the sequence has nothing to free
+                pass  # an engine that lost the sequences has nothing to free
