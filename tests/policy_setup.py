@@ -1,5 +1,6 @@
 """The scheduler tests' shared setup: a scheduler whose cost model has measured engines of a known
-shape, and rounds fed to it at chosen rates (test_scheduler.py, test_cost_model.py)."""
+shape, and rounds fed to it at chosen rates (test_scheduler.py, test_cost_model.py); a policy that
+switches the choice every round (the exactness tests)."""
 from __future__ import annotations
 
 from ssd.algorithm.rounds import SPLIT_CHOICES, Choice, RoundRecord
@@ -66,3 +67,20 @@ def run_batch(s: Scheduler, rates: dict, batch: int, rounds: int, allowed=SPLIT_
         for _ in range(batch):
             s.observe(record(d.choice, 3, 3 / rate, batch, after_switch=switched))
     return seen
+
+
+class CyclingPolicy(Scheduler):
+    """Switches the choice every round through ``order`` (and K through ``ks``, when given, as an
+    adaptive policy may pick it): every transition between modes, round after round."""
+
+    def __init__(self, order: list[str], ks: list[int] = ()):
+        super().__init__()
+        self.order, self.ks, self.rounds = order, ks, 0
+
+    def choose(self, batch, k, budget, allowed, seq=None, adaptive_k=False, **backlog):
+        self.forced_mode = self.order[self.rounds % len(self.order)]
+        d = super().choose(batch, k, budget, allowed, seq, adaptive_k, **backlog)
+        if self.ks:
+            d.ks = {d.choice: self.ks[self.rounds % len(self.ks)]}
+        self.rounds += 1
+        return d

@@ -119,21 +119,11 @@ def test_both_hits_and_misses_happen(engines, codec):
 def cycling_shared(order, ks=()):
     """Server state whose policy switches the choice every round, through ``order`` (and K through
     ``ks``, when given)."""
-    from ssd.algorithm.scheduler import Scheduler
     from ssd.decoding.generator import SharedState
 
-    class CyclingPolicy(Scheduler):
-        def choose(self, batch, k, budget, allowed, seq=None, adaptive_k=False, **backlog):
-            self.forced_mode = order[self.rounds % len(order)]
-            d = super().choose(batch, k, budget, allowed, seq, adaptive_k, **backlog)
-            if ks:  # each round's K too, as an adaptive policy may pick it
-                d.ks = {d.choice: ks[self.rounds % len(ks)]}
-            self.rounds += 1
-            return d
+    from policy_setup import CyclingPolicy
 
-    pol = CyclingPolicy()
-    pol.rounds = 0
-    return SharedState(policy=pol)
+    return SharedState(policy=CyclingPolicy(order, ks))
 
 
 # every transition: ssd->ssd (a cached draft), ssd->sd (the cached draft serves SD), sd->ssd+fast,

@@ -36,7 +36,6 @@ from ssd.algorithm import verification
 from ssd.algorithm.stats import RequestStats
 from ssd.algorithm.sampling import SamplingParams, probs_from_logits, sample, saguaro
 from ssd.algorithm.verification import Outcome
-from ssd.algorithm.scheduler import Scheduler
 from ssd.decoding.coalescer import CoalescingClient
 from ssd.decoding.generator import DecodeConfig, Generation, SharedState
 from ssd.decoding.local_client import LocalClient
@@ -45,6 +44,8 @@ from ssd.workers import drafter as drafter_mod, target as target_mod
 from ssd.workers.drafter import DrafterWorker
 from ssd.workers.fast_backup import NgramWorker
 from ssd.workers.target import TargetWorker
+
+from policy_setup import CyclingPolicy
 from tiny_models import load_weights, make_tiny_engine
 
 ALPHA = 1e-3
@@ -68,15 +69,6 @@ SWITCH_ORDER = ["ssd+neural", "ssd+neural", "sd", "ssd+fast", "ssd+neural", "ar"
 
 
 SWITCH_KS = [3, 1, 2, 3, 2]  # and K with it (a cached draft cut to a shorter K, a short one at a longer K)
-
-
-class CyclingPolicy(Scheduler):
-    def choose(self, batch, k, budget, allowed, seq=None, adaptive_k=False, **backlog):
-        self.forced_mode = SWITCH_ORDER[self.rounds % len(SWITCH_ORDER)]
-        d = super().choose(batch, k, budget, allowed, seq, adaptive_k, **backlog)
-        d.ks = {d.choice: SWITCH_KS[self.rounds % len(SWITCH_KS)]}
-        self.rounds += 1
-        return d
 
 
 # ------------------------------------------------------------------ fixtures and helpers
@@ -164,8 +156,7 @@ def generate(tiny: dict, mode: str, params: SamplingParams, c: float, backup: st
     cfg = DecodeConfig(mode="ssd" if mode == "switch" else mode, k=K, fanout_budget=FANOUT, saguaro_c=c,
                        backup=backup, step_aside=mode == "switch")
     if mode == "switch":
-        shared.policy = CyclingPolicy()
-        shared.policy.rounds = 0
+        shared.policy = CyclingPolicy(SWITCH_ORDER, SWITCH_KS)
 
     async def one(i: int, sem: asyncio.Semaphore):
         async with sem:
