@@ -309,12 +309,44 @@ def test_bench_and_loadtest_share_one_table_writer_and_one_request_body(tmp_path
 def test_paired_summary_sums_each_side_and_divides_ours_by_llama():
     from ssd_tools.llamacpp.paired import summarize
 
-    def side(pre, dec, tokens=64):
-        return {"prefill_s": pre, "decode_s": dec, "latency_s": pre + dec + 0.1, "tokens": tokens}
+    def side(pre, dec, tokens=64, wall=None):
+        lat = pre + dec + 0.1
+        return {"prefill_s": pre, "decode_s": dec, "latency_s": lat, "wall_s": wall or lat, "tokens": tokens}
 
     pairs = [{"llama": side(1.0, 3.0), "ours": side(1.5, 3.5)}, {"llama": side(2.0, 3.0), "ours": side(1.5, 2.5)}]
     s = summarize(pairs)
     assert s["llama"]["prefill_s"] == 3.0 and s["ours"]["decode_s"] == 6.0 and s["ours"]["tokens"] == 128
-    assert s["ours_over_llama"] == {"prefill_s": 1.0, "decode_s": 1.0, "latency_s": round(9.2 / 9.2, 3)}
+    assert s["ours_over_llama"] == {"prefill_s": 1.0, "decode_s": 1.0, "latency_s": 1.0, "wall_s": 1.0,
+                                    "tokens_per_s": 1.0}
     pairs[0]["ours"] = side(3.0, 3.5)
     assert summarize(pairs)["ours_over_llama"]["prefill_s"] == 1.5
+    # groups of users: tokens/s is each side's tokens over its wall time, not over the latencies' sum
+    pairs = [{"llama": side(4.0, 12.0, 256, wall=8.0), "ours": side(4.0, 16.0, 256, wall=10.0)}]
+    s = summarize(pairs)
+    assert s["llama"]["tokens_per_s"] == 32.0 and s["ours"]["tokens_per_s"] == 25.6
+    assert s["ours_over_llama"]["tokens_per_s"] == 0.8 and s["ours_over_llama"]["wall_s"] == 1.25
+
+
+def test_paired_group_sends_its_prompts_at_once_and_sums_them():
+    import threading
+
+    from ssd_tools.llamacpp.paired import run_group
+
+    inside, peak, lock = [0], [0], threading.Lock()
+    started = threading.Barrier(3, timeout=10)  # fails unless all three requests run at once
+
+    def request(prompt):
+        with lock:
+            inside[0] += 1
+            peak[0] = max(peak[0], inside[0])
+        started.wait()
+        with lock:
+            inside[0] -= 1
+        n = len(prompt)
+        return {"prefill_s": 0.1 * n, "decode_s": 1.0, "latency_s": 1.0 + 0.1 * n, "tokens": n,
+                "prompt_tokens": 10 * n, "cached_prompt_tokens": n}
+
+    g = run_group(request, ["a", "bb", "ccc"])
+    assert peak[0] == 3 and g["tokens"] == 6 and g["prompt_tokens"] == 60 and g["cached_prompt_tokens"] == 6
+    assert abs(g["prefill_s"] - 0.6) < 1e-9 and g["decode_s"] == 3.0 and g["wall_s"] > 0
+    assert [r["tokens"] for r in g["requests"]] == [1, 2, 3]  # in prompt order

@@ -1,9 +1,15 @@
-"""One user, paired: both servers up, each load-test prompt sent to llama-server and to ours in
-turn (which goes first alternates), so the VM's drift between minutes hits both sides alike. The
-load sweep's cells run one after the other and move +-15%; these pairs compare the same prompt
-within seconds. Prints each pair's prefill, decode and latency and the totals' ratios.
+"""Paired: both servers up, each group of load-test prompts (one a user, sent at once) sent to
+llama-server and to ours in turn (which goes first alternates), so the VM's drift between minutes
+hits both sides alike. The load sweep's cells run one after the other and move +-15%; these pairs
+compare the same prompts within seconds. Prints each pair's prefill, decode, latency and wall
+time, and the totals' ratios.
 
     .venv/bin/python tools/llamacpp/paired.py --prompts 15 --out results/paired
+    .venv/bin/python tools/llamacpp/paired.py --users 4 --prompts 32 --out results/paired4
+
+With ``--users N`` llama-server has N slots, and a group's wall time (first request sent to last
+answer) gives each side's tokens/s: a burst of N requests rather than the load test's closed loop,
+the batched decode compared on the same prompts at the same minute.
 
 Both sides with their default prompt caching (llama-server's `cache_prompt`, our target's kept
 prefixes), greedy, the load test's prompts and chat template, llama-server with one slot on the
@@ -14,6 +20,7 @@ prefill (so ours also carries the HTTP answer); latency is the client's, for bot
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import json
 import time
 import urllib.request
@@ -25,7 +32,7 @@ from ssd_tools.prompts import DATASETS
 from ssd_tools.runner import config_pair, generate, start_pair
 
 REPO = Path(__file__).resolve().parents[2]
-FIELDS = ("prefill_s", "decode_s", "latency_s")
+FIELDS = ("prefill_s", "decode_s", "latency_s", "wall_s")
 
 
 def llama_request(url: str, prompt: str, max_tokens: int, cache_prompt: bool) -> dict:
@@ -49,15 +56,31 @@ def our_request(url: str, prompt: str, max_tokens: int) -> dict:
             "cached_prompt_tokens": s["cached_prompt_tokens"], "choices": s["rounds_by_choice"]}
 
 
+def run_group(request, prompts: list[str]) -> dict:
+    """``request(prompt)`` for every prompt at once: the requests' sums of the per-request fields
+    and tokens, the group's wall time, and the requests themselves."""
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        rs = list(pool.map(request, prompts))
+    out = {f: sum(r[f] for r in rs) for f in FIELDS[:-1] + ("tokens", "prompt_tokens", "cached_prompt_tokens")}
+    return {**out, "wall_s": time.perf_counter() - t0, "requests": rs}
+
+
 def summarize(pairs: list[dict]) -> dict:
-    """Each side's totals of FIELDS and tokens, and ours over llama.cpp's per field."""
-    tot = {side: {f: round(sum(p[side][f] for p in pairs), 3) for f in FIELDS + ("tokens",)} for side in ("llama", "ours")}
-    return {**tot, "ours_over_llama": {f: round(tot["ours"][f] / tot["llama"][f], 3) for f in FIELDS if tot["llama"][f]}}
+    """Each side's totals of FIELDS and tokens and its tokens/s over the wall time; ours over
+    llama.cpp's per field and for tokens/s."""
+    tot = {}
+    for side in ("llama", "ours"):
+        t = {f: round(sum(p[side][f] for p in pairs), 3) for f in FIELDS + ("tokens",)}
+        tot[side] = {**t, "tokens_per_s": round(t["tokens"] / t["wall_s"], 3) if t["wall_s"] else 0.0}
+    ratios = {f: round(tot["ours"][f] / tot["llama"][f], 3) for f in FIELDS + ("tokens_per_s",) if tot["llama"][f]}
+    return {**tot, "ours_over_llama": ratios}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=15, help="pairs: the load test's first N prompts")
+    ap.add_argument("--prompts", type=int, default=15, help="the load test's first N prompts (whole groups)")
+    ap.add_argument("--users", type=int, default=1, help="prompts a group, sent at once; llama-server's slots")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--no-cache-prompt", action="store_true", help="llama-server without cache_prompt")
     ap.add_argument("--config", type=Path, default=REPO / "engines/default.yaml")
@@ -67,31 +90,35 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     every = prompts(list(DATASETS), 16)
     chosen, warm = every[:a.prompts], every[-1]  # the warm-up prompt is none of the measured ones
+    groups = [chosen[i:i + a.users] for i in range(0, len(chosen) - a.users + 1, a.users)]
+    llama = lambda p: llama_request(peer.url, p, a.max_tokens, not a.no_cache_prompt)  # noqa: E731
+    mine = lambda p: our_request(url, p, a.max_tokens)  # noqa: E731
     target = gguf_by_role(a.config, a.engine_root)["target"]
     ours = start_pair(config_pair(a.config, a.engine_root), "paired", "split")
     url, pairs = f"http://{ours.http_url}", []
     try:
-        with LlamaServer(build(), PeerConfig(target, parallel=1, ctx_per_slot=2048),
+        with LlamaServer(build(), PeerConfig(target, parallel=a.users, ctx_per_slot=2048),
                          log_file=a.out / "llama_server.log") as peer:
-            llama_request(peer.url, warm, 8, not a.no_cache_prompt)
-            our_request(url, warm, 8)
-            for i, prompt in enumerate(chosen):
+            run_group(lambda p: llama_request(peer.url, p, 8, not a.no_cache_prompt), [warm] * a.users)
+            run_group(lambda p: our_request(url, p, 8), [warm] * a.users)
+            for i, group in enumerate(groups):
                 pair = {}
                 for side in (("llama", "ours") if i % 2 == 0 else ("ours", "llama")):
-                    pair[side] = (llama_request(peer.url, prompt, a.max_tokens, not a.no_cache_prompt)
-                                  if side == "llama" else our_request(url, prompt, a.max_tokens))
+                    pair[side] = run_group(llama if side == "llama" else mine, group)
                 pairs.append(pair)
                 l, o = pair["llama"], pair["ours"]
-                print(f"prompt {i:2d}: {o['prompt_tokens']} tokens ({l['cached_prompt_tokens']} / "
-                      f"{o['cached_prompt_tokens']} cached), prefill {l['prefill_s']:.2f} / {o['prefill_s']:.2f} s, "
-                      f"decode {l['decode_s']:.2f} / {o['decode_s']:.2f} s, latency {l['latency_s']:.2f} / "
-                      f"{o['latency_s']:.2f} s (llama-server / ours)", flush=True)
+                print(f"group {i:2d}: {o['prompt_tokens']} prompt tokens ({l['cached_prompt_tokens']} / "
+                      f"{o['cached_prompt_tokens']} cached), {l['tokens']} / {o['tokens']} new, prefill "
+                      f"{l['prefill_s']:.2f} / {o['prefill_s']:.2f} s, decode {l['decode_s']:.2f} / "
+                      f"{o['decode_s']:.2f} s, latency {l['latency_s']:.2f} / {o['latency_s']:.2f} s, wall "
+                      f"{l['wall_s']:.2f} / {o['wall_s']:.2f} s (llama-server / ours; sums over the group)", flush=True)
     finally:
         ours.stop()
     summary = summarize(pairs)
     (a.out / "paired.json").write_text(json.dumps({"pairs": pairs, "summary": summary}, indent=1))
-    print("| seconds (sum over pairs) | llama-server | ours | ours / llama-server |\n|---|---|---|---|")
-    for f in FIELDS:
+    print(f"| {a.users} user(s), sums over {len(pairs)} pairs | llama-server | ours | ours / llama-server |\n"
+          "|---|---|---|---|")
+    for f in FIELDS + ("tokens", "tokens_per_s"):
         print(f"| {f} | {summary['llama'][f]} | {summary['ours'][f]} | {summary['ours_over_llama'].get(f, '-')} |")
 
 
