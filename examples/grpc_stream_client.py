@@ -39,4 +39,5 @@ while True:
     if result.get_response().parameters["triton_final_response"].bool_param:
         break
 print()
-client.stop_stream()
+# every response is in: cancel the stream rather than wait for the server to close it
+client.stop_stream(cancel_requests=True)
