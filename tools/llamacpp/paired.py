@@ -32,7 +32,8 @@ from ssd_tools.prompts import DATASETS
 from ssd_tools.runner import config_pair, generate, start_pair
 
 REPO = Path(__file__).resolve().parents[2]
-FIELDS = ("prefill_s", "decode_s", "latency_s", "wall_s")
+REQUEST_FIELDS = ("prefill_s", "decode_s", "latency_s")  # each request's own; a group sums them
+FIELDS = REQUEST_FIELDS + ("wall_s",)
 
 
 def llama_request(url: str, prompt: str, max_tokens: int, cache_prompt: bool) -> dict:
@@ -62,7 +63,7 @@ def run_group(request, prompts: list[str]) -> dict:
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
         rs = list(pool.map(request, prompts))
-    out = {f: sum(r[f] for r in rs) for f in FIELDS[:-1] + ("tokens", "prompt_tokens", "cached_prompt_tokens")}
+    out = {f: sum(r[f] for r in rs) for f in REQUEST_FIELDS + ("tokens", "prompt_tokens", "cached_prompt_tokens")}
     return {**out, "wall_s": time.perf_counter() - t0, "requests": rs}
 
 
@@ -91,16 +92,16 @@ def main() -> None:
     every = prompts(list(DATASETS), 16)
     chosen, warm = every[:a.prompts], every[-1]  # the warm-up prompt is none of the measured ones
     groups = [chosen[i:i + a.users] for i in range(0, len(chosen) - a.users + 1, a.users)]
-    llama = lambda p: llama_request(peer.url, p, a.max_tokens, not a.no_cache_prompt)  # noqa: E731
-    mine = lambda p: our_request(url, p, a.max_tokens)  # noqa: E731
+    llama = lambda p, n=a.max_tokens: llama_request(peer.url, p, n, not a.no_cache_prompt)  # noqa: E731
+    mine = lambda p, n=a.max_tokens: our_request(url, p, n)  # noqa: E731
     target = gguf_by_role(a.config, a.engine_root)["target"]
     ours = start_pair(config_pair(a.config, a.engine_root), "paired", "split")
     url, pairs = f"http://{ours.http_url}", []
     try:
         with LlamaServer(build(), PeerConfig(target, parallel=a.users, ctx_per_slot=2048),
                          log_file=a.out / "llama_server.log") as peer:
-            run_group(lambda p: llama_request(peer.url, p, 8, not a.no_cache_prompt), [warm] * a.users)
-            run_group(lambda p: our_request(url, p, 8), [warm] * a.users)
+            run_group(lambda p: llama(p, 8), [warm] * a.users)
+            run_group(lambda p: mine(p, 8), [warm] * a.users)
             for i, group in enumerate(groups):
                 pair = {}
                 for side in (("llama", "ours") if i % 2 == 0 else ("ours", "llama")):
