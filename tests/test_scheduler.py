@@ -167,3 +167,29 @@ def test_a_drafter_that_must_catch_up_is_chosen_only_where_the_tokens_left_pay_f
     assert d.choice == AR and d.rates[AR] == fresh.rates[AR]
     assert d.rates[SSD_N] < fresh.rates[SSD_N] / 2
     assert after_ar(0, 8).choice.mode == "ssd"
+
+
+def test_an_optimistic_rate_must_still_earn_back_the_catch_up():
+    """UCB's bound is on a choice's steady rate; the drafter's catch-up is measured, so it is priced
+    after the bound. A batch on AR whose untried SD (steady estimate 0.77 of AR's) gets tried with
+    a current drafter is not tried owing 256 rows with 32 tokens left: even the optimistic rate
+    does not earn the catch-up back. Bounding the estimate after the catch-up would try it."""
+    import math
+
+    def after_ar_rounds():
+        s = measured_scheduler(e_draft=1.6, e_hit=1.6, p_hit=0.3)
+        prior = s.model.rates(1, 4, 8)
+        for _ in range(60):
+            s.choose(1, 4, 8, (AR, SD))
+            s.current = AR
+            s.observe(record(AR, 3, 3 / prior[AR]))
+        return s
+
+    assert after_ar_rounds().choose(1, 4, 8, (AR, SD)).choice == SD
+    s = after_ar_rounds()
+    assert s.choose(1, 4, 8, (AR, SD), owed_rows=256, tokens_left=32).choice == AR
+    # the rule the old bound broke: the estimate after the catch-up, times the bonus, beats AR's score
+    steady, n = s.estimates(1, 4, 8)
+    w = s.cfg.explore * math.sqrt(math.log(n[AR] + n[SD]))
+    scaled_after = s.after_catch_up(steady, 256, 32)[SD] * (1 + w / math.sqrt(n[SD]))
+    assert scaled_after > steady[AR] * (1 + w / math.sqrt(n[AR])) * (1 + s.cfg.hysteresis)

@@ -11,6 +11,8 @@ Each round the batch asks once. For every choice at the current batch size b:
 - the score is discounted UCB's bound on the estimate, est * (1 + explore * sqrt(log n_total /
   n_choice)): relative, as the estimate's error is (the prior is off by a factor); a choice whose
   estimate is close to the best and whose record is thin gets tried, one far below does not.
+  The bound is on the choice's steady rate; a drafter's catch-up (below) is measured, not
+  uncertain, so it is priced after the bound, as it is after the estimate.
 The highest score runs, but a change of choice must beat the current one's score by
 ``hysteresis`` (a change costs a round without a cached draft), except between the two SSD
 backups, which share the speculation. With ``adaptive_k`` each choice runs its own best K.
@@ -155,11 +157,14 @@ class Scheduler:
                     owed_rows: int = 0, tokens_left: float = 0.0) -> Decision:
         self.rounds += 1
         ks = self.model.best_k(batch, k, budget) if adaptive_k else None
-        est, n = self.estimates(batch, k, budget, ks)
-        est = self.after_catch_up(est, owed_rows, tokens_left)
-        top = max(est[c] for c in allowed)
+        steady, n = self.estimates(batch, k, budget, ks)
         width = self.cfg.explore * math.sqrt(math.log(sum(n[c] for c in allowed)))
-        score = {c: est[c] * (1 + width / math.sqrt(n[c])) for c in allowed}
+        # the bound is on the steady rate, the uncertain part; the catch-up is a measured one-off,
+        # priced after the bound (an optimistic rate must still earn back the same seconds)
+        bound = {c: steady[c] * (1 + width / math.sqrt(n[c])) for c in allowed}
+        est = self.after_catch_up(steady, owed_rows, tokens_left)
+        score = self.after_catch_up(bound, owed_rows, tokens_left)
+        top = max(est[c] for c in allowed)
         best = max(allowed, key=score.get)
         cur = self.current if self.current in allowed else best
         if not cur.switch_is_free(best) and score[best] <= score[cur] * (1 + self.cfg.hysteresis):
