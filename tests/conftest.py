@@ -57,16 +57,16 @@ def engine_root() -> Path:
     return ENGINE_ROOT
 
 
-def quantize_q4_k_m(src: Path, dst: Path) -> None:
+def quantize_q4_k_m(src: Path, dst: Path, ftype: str = "Q4_K_M") -> None:
     """``src`` requantized by llama.cpp to Q4_K_M, the default target's format, so that the llama.cpp
     engine's tests run K-quant products (SmolLM2's 576-wide rows fall back to another format; its
-    1536-wide down projections take Q4_K / Q6_K)."""
+    1536-wide down projections take Q4_K / Q6_K); ``ftype`` another of llama.cpp's file types."""
     import llama_cpp
 
     if dst.exists():
         return
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.allow_requantize = True
     params.nthread = 2
     tmp = dst.with_name(dst.name + ".partial")

@@ -1,6 +1,6 @@
 """The llama.cpp target engine (real llama.cpp from the pinned llama-cpp-python, built without
-llamafile and with the repacked Q4_K GEMV patched to sum like the GEMM; SmolLM2-135M requantized to
-Q4_K_M, the default target's format).
+llamafile, with the repacked Q4_K GEMV patched to sum like the GEMM and the Q6_K dot product like
+the tiled kernels; SmolLM2-135M requantized to Q4_K_M, the default target's format).
 
 A row's logits are bit-identical whatever shares its call (1 to 24 rows: below and above the row
 count where llama.cpp's tiled K-quant kernels take over, other sequences, prefills) and at 1 or 2
@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from conftest import PROMPTS, TARGET, start_tiny_server
+from conftest import PROMPTS, TARGET, quantize_q4_k_m, start_tiny_server
 
 N_TOKENS = 24
 
@@ -153,21 +153,38 @@ def test_sequences_decoded_together_keep_their_bits(llama, prompt_ids):
         llama.release(f"t{k}", keep_prefix=False)
 
 
-def test_the_load_check_sees_the_kernel_switch(llama, llama_target):
-    """The engine runs as many rows a forward as its load-time check allowed (all its choices with
-    the patched GEMV and the tiled kernels off). With llama.cpp's tiled K-quant kernels on, which take
-    products of 8 rows and more, the same check stops at 7 and refuses 8 (the negative control)."""
+def test_the_load_check_sees_the_kernel_switch(llama, llama_target, tmp_path):
+    """A Q4_K_M file runs with llama.cpp's tiled kernels on (its multi-row Q6_K products; the
+    patched dot product sums as they do) and every row count of the load check keeps its bits. The
+    negative control: a Q5_K_M file, whose Q5_K products the patches leave as llama.cpp ships them,
+    runs with the tiled kernels off by default and loads with the same row counts; forced on, the
+    load check finds a prefilled history's logits changed and the engine refuses to load, naming
+    the switch."""
     from ssd.engine.llamacpp_engine import LOGIT_ROW_CHOICES
+    from ssd.engine.meta import gguf_tensor_types
 
+    assert os.environ["GGML_CPU_TILED_MM"] == "1" and "Q6_K" in gguf_tensor_types(llama_target)
     assert llama.logit_rows == LOGIT_ROW_CHOICES[0]
+    q5 = tmp_path / "q5"
+    shutil.copytree(llama_target, q5, ignore=shutil.ignore_patterns("*.gguf", "*.safetensors"))
+    quantize_q4_k_m(llama_target / "model.gguf", q5 / "model.gguf", "Q5_K_M")
+    assert "Q5_K" in gguf_tensor_types(q5)
     probe = (
-        "import sys; from ssd.engine.llamacpp_engine import LlamaCppEngine\n"
-        "e = LlamaCppEngine(sys.argv[1], threads=1, max_sequences=2, max_len=256)\n"
-        "print(e.logit_rows, e._rows_keep_bits(8))\n")
-    env = dict(os.environ, GGML_CPU_TILED_MM="1")
-    out = subprocess.run([sys.executable, "-c", probe, str(llama_target)], env=env, check=True,
-                         capture_output=True, text=True, timeout=600).stdout.split()
-    assert out[-2:] == ["7", "False"]
+        "import os, sys; from ssd.engine.llamacpp_engine import LlamaCppEngine\n"
+        "try:\n"
+        "    e = LlamaCppEngine(sys.argv[1], threads=1, max_sequences=2, max_len=256)\n"
+        "    print(os.environ['GGML_CPU_TILED_MM'], e.logit_rows)\n"
+        "except RuntimeError as err:\n"
+        "    print('refused:', err)\n")
+
+    def load(**env):
+        env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"} | env
+        return subprocess.run([sys.executable, "-c", probe, str(q5)], env=env, check=True, capture_output=True,
+                              text=True, timeout=600).stdout.strip().splitlines()[-1]
+
+    assert load() == f"0 {LOGIT_ROW_CHOICES[0]}"
+    refused = load(GGML_CPU_TILED_MM="1")
+    assert refused.startswith("refused:") and "GGML_CPU_TILED_MM=0" in refused
 
 
 def test_prompts_prefilled_together_keep_their_bits(llama, prompt_ids):

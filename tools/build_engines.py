@@ -22,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from ssd.engine.meta import gguf_tensor_types
 from ssd_tools.convert_gguf import convert
 from ssd_tools.fetch_weights import ChecksumError, fetch
 from ssd_tools.local_checkpoints import CheckpointError, check_same_tokenizer, check_source, convert_hf_dir, fingerprint
@@ -64,8 +65,11 @@ def record_runtime(folder: Path, spec: dict) -> None:
     meta = json.loads(meta_path.read_text())
     wanted = ({"runtime": runtime, "ov_weights": spec.get("ov_weights", "bf16")} if runtime == "openvino"
               else {"runtime": runtime} if runtime == "llamacpp" else {})
-    if {k: meta.get(k) for k in ("runtime", "ov_weights") if k in meta} != wanted:
-        meta = {k: v for k, v in meta.items() if k not in ("runtime", "ov_weights")} | wanted
+    if runtime == "llamacpp":  # the engine picks llama.cpp's kernels by them (LlamaCppEngine)
+        wanted["gguf_tensor_types"] = meta.get("gguf_tensor_types") or gguf_tensor_types(folder)
+    keys = ("runtime", "ov_weights", "gguf_tensor_types")
+    if {k: meta.get(k) for k in keys if k in meta} != wanted:
+        meta = {k: v for k, v in meta.items() if k not in keys} | wanted
         meta_path.write_text(json.dumps(meta, indent=2))
 
 

@@ -7,14 +7,18 @@ Why these settings (docs/cpu_engine.md has the measurements):
   give the bits of K + 1 one-row steps). llama.cpp picks its kernel by the number of rows in a
   product: for the repacked Q4_K weights (interleaved for SIMD) a GEMV for fewer than 4 rows and a
   4-row GEMM above, which give a row the same bits once the GEMV adds its sums in the GEMM's order
-  (tools/llamacpp/patches); for the other K-quants (Q6_K) a row-by-row dot product below 8 rows and
-  tiled kernels from 8 on, which round differently, so the engine turns the tiled kernels off
-  (GGML_CPU_TILED_MM=0, unless the environment sets it). It runs the rows whose logits it returns
-  (every decode and verify row, hence every generated token) in forwards of at most `logit_rows`
-  rows, all sequences' together: the largest of LOGIT_ROW_CHOICES for which a load-time check finds
-  the rows' logits equal to one-row forwards (16 with the patched build; 7 with the tiled kernels
-  on; 3 on an unpatched build). The same bits at 1 and 2 threads: threads split a product's
-  outputs, never a sum.
+  (tools/llamacpp/patches); for the other K-quants a row-by-row dot product below 8 rows and tiled
+  kernels from 8 on, which give a row the same bits for Q6_K once the dot product sums as the tiled
+  kernel does (the second patch). So the tiled kernels stay on for a file whose multi-row K-quants
+  are Q4_K and Q6_K (a Q4_K_M file) and are turned off for any other (GGML_CPU_TILED_MM, set before
+  the library's first product unless the environment sets it). It runs the rows whose logits it
+  returns (every decode and verify row, hence every generated token) in forwards of at most
+  `logit_rows` rows, all sequences' together: the largest of LOGIT_ROW_CHOICES for which a
+  load-time check finds the rows' logits equal to one-row forwards (16 with the patched build; 7
+  with the tiled kernels on and unpatched; 3 on an unpatched build). A second check at load
+  prefills a history in one forward and steps it one row at a time: if the two differ (kernels
+  this build does not make agree), the engine refuses to load rather than decode inexactly. The
+  same bits at 1 and 2 threads: threads split a product's outputs, never a sum.
 - A call's context rows (a prompt's, before its last token) run in forwards of up to N_BATCH rows,
   the prompts of a call packed together as logit rows are, where the GEMM kernels make a prefill
   several times cheaper a row. A row's bits do not depend on its forward (the same kernels), so a
@@ -42,7 +46,7 @@ import numpy as np
 import torch
 
 from .engine import ExtendCall, common_prefix, same_bits_at
-from .meta import engine_meta
+from .meta import engine_meta, gguf_tensor_types
 
 GGUF_NAME = "model.gguf"
 N_BATCH = 512  # context rows per llama_decode: longer prefills run in chunks
@@ -78,11 +82,27 @@ def pack_forwards(per_sequence: list[list[tuple]], limit: int) -> list[list[tupl
     return forwards
 
 
-def _llama():
-    # Read by llama.cpp once, at its first product: the tiled K-quant kernels (8+ rows) round a row
-    # differently from the row-by-row dot product. Measured on a 2-core AVX2 EPYC, off also
-    # prefills the 1.5B target no slower (147 tokens: 2.75 s against 2.99 s).
-    os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+# llama.cpp's tiled kernels (ggml-cpu/tiled) take the products of 8 rows and more of these types when
+# their weights are not repacked; the patched build gives a row the same bits in them as in the
+# one-row kernels only for Q6_K (Q4_K weights are repacked and take the patched GEMV / GEMM instead)
+TILED_TYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
+               "IQ3_S", "IQ1_S", "IQ1_M"}
+TILED_EXACT_TYPES = {"Q4_K", "Q6_K"}
+PREFILL_PROBE = 24  # tokens of the load check's history: a prefill of them takes the multi-row kernels
+
+
+def tiled_kernels_keep_bits(types) -> bool:
+    """Whether every weight type (``types``, GGUF type names) that llama.cpp's tiled kernels may take
+    is one whose one-row kernel the patched build makes agree with them."""
+    return not (set(types) & TILED_TYPES) - TILED_EXACT_TYPES
+
+
+def _llama(folder: Path):
+    # Read by llama.cpp once, at its first product (so the first engine of a process decides). On
+    # the 1.5B Q4_K_M target the tiled kernels make a 16-sequence step about 25% cheaper
+    # (docs/cpu_engine.md).
+    if "GGML_CPU_TILED_MM" not in os.environ:
+        os.environ["GGML_CPU_TILED_MM"] = "1" if tiled_kernels_keep_bits(gguf_tensor_types(folder, GGUF_NAME)) else "0"
     import llama_cpp
     from llama_cpp import _logger
 
@@ -105,7 +125,7 @@ class LlamaCppEngine:
         if not gguf.exists():
             raise FileNotFoundError(f"{gguf}: a llamacpp engine needs the GGUF file (build_engines.sh with "
                                     "`runtime: llamacpp` links it there)")
-        L = self.L = _llama()
+        L = self.L = _llama(folder)
         L.llama_backend_init()
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = 0
@@ -148,6 +168,12 @@ class LlamaCppEngine:
         self._thread_check: dict[int, bool] = {}
         self.logit_rows = N_BATCH
         if exact:
+            if not self._prefill_keeps_bits():
+                raise RuntimeError(
+                    f"{gguf}: a history prefilled in one forward gets other logits than one-row steps give it "
+                    f"(llama.cpp's multi-row kernels for this file's weight types round differently on this CPU, "
+                    f"GGML_CPU_TILED_MM={os.environ.get('GGML_CPU_TILED_MM')}): rebuild llama-cpp-python with the "
+                    "patches (make venv) or set GGML_CPU_TILED_MM=0")
             self.logit_rows = next(n for n in LOGIT_ROW_CHOICES if n == 1 or self._rows_keep_bits(n))
 
     # -- threads -------------------------------------------------------------------------------------
@@ -174,6 +200,24 @@ class LlamaCppEngine:
             return all(self._probe_keeps_bits(n, prefix, step) for prefix, step in ROW_PROBES)
         finally:
             self.logit_rows = saved
+            self.timing.clear()
+            self.reused.clear()
+
+    def _prefill_keeps_bits(self) -> bool:
+        """Whether the last row of a history prefilled in one forward (its context rows take the
+        multi-row kernels) gets the logits it gets when the history is stepped one row at a time."""
+        ids = [(7919 * i) % (self.vocab_size - 10) + 10 for i in range(PREFILL_PROBE)]
+        probe = "__prefill_probe"
+        self.logit_rows = 1
+        try:
+            for i in range(1, len(ids) + 1):
+                stepped = self.extend([ExtendCall(probe, ids[:i], 1)])[0]
+            self.release(probe, keep_prefix=False)
+            once = self.extend([ExtendCall(probe, ids, 1)])[0]
+            self.release(probe, keep_prefix=False)
+            return torch.equal(stepped, once)
+        finally:
+            self.logit_rows = N_BATCH
             self.timing.clear()
             self.reused.clear()
 

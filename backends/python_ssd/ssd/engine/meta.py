@@ -22,6 +22,18 @@ def engine_meta(folder: str | os.PathLike) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def gguf_tensor_types(folder: str | os.PathLike, gguf_name: str = "model.gguf") -> list[str]:
+    """The weight types of a llamacpp engine's GGUF file: recorded in engine.json by build_engines.sh
+    (the gguf library reads a large vocabulary's metadata in about 10 s), read from the file where
+    the folder was made another way."""
+    types = engine_meta(folder).get("gguf_tensor_types")
+    if types is None:
+        from gguf import GGUFReader
+
+        types = sorted({t.tensor_type.name for t in GGUFReader(str(Path(folder) / gguf_name)).tensors})
+    return list(types)
+
+
 TRTLLM_SUBDIR = "trtllm"
 
 
