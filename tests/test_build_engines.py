@@ -72,3 +72,26 @@ def test_second_build_does_nothing(engine_root, capsys):
     build(REPO / "engines" / "tiny.yaml", engine_root, REPO / "engines" / ".cache")
     assert "up to date" in capsys.readouterr().out
     assert weights.stat().st_mtime_ns == before
+
+
+def test_a_llamacpp_engine_records_its_weight_types(llama_target, tmp_path):
+    """The llama.cpp engine picks its kernels by the GGUF's weight types: the build records them in
+    engine.json once (reading a large vocabulary's GGUF metadata takes seconds), and the engine
+    reads them from there."""
+    import json
+    import shutil
+
+    from ssd_tools.build_engines import record_runtime
+    from ssd.engine.meta import gguf_tensor_types
+
+    folder = tmp_path / "target"
+    folder.mkdir()
+    shutil.copyfile(llama_target / "model.gguf", folder / "model.gguf")
+    (folder / "engine.json").write_text(json.dumps({"role": "target"}))
+    record_runtime(folder, {"runtime": "llamacpp"})
+    meta = json.loads((folder / "engine.json").read_text())
+    assert meta["runtime"] == "llamacpp" and {"Q4_K", "Q6_K"} <= set(meta["gguf_tensor_types"])
+    (folder / "model.gguf").unlink()  # the recorded list, not the file
+    assert gguf_tensor_types(folder) == meta["gguf_tensor_types"]
+    record_runtime(folder, {"runtime": "torch"})  # back to torch: the llama.cpp fields go
+    assert "gguf_tensor_types" not in json.loads((folder / "engine.json").read_text())

@@ -8,7 +8,8 @@
 # - GGML_LLAMAFILE=OFF: the llamafile GEMMs tile a forward's rows by their count;
 # - repacked weights stay on (their one-row GEMV is llama.cpp's fastest decode kernel), with
 #   patches/*.patch applied to the vendored llama.cpp: the Q4_K GEMV adds its sums in the order of the
-#   4-row GEMM, so the two kernels give a row the same bits.
+#   4-row GEMM, and the Q6_K dot product in the order of the tiled kernels (8+ rows), so each pair of
+#   kernels gives a row the same bits.
 # The engine checks the result at load. Skipped when the installed build has these options and patches.
 set -euo pipefail
 
