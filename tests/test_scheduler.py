@@ -32,7 +32,7 @@ def test_warm_up_pins_and_forced_modes():
 def test_measured_rates_overrule_the_prior_and_rescale_the_others():
     """SD at batch 4 runs at half its prediction: its estimate goes to what it measured, and the
     other choices' priors are scaled by the same shortfall (the formulas miss the same overheads)."""
-    s = measured_scheduler(discount=1.0)
+    s = measured_scheduler(half_life_s=float("inf"))
     prior = s.model.rates(4, 4, 8)
     for _ in range(4 * 40):
         s.observe(record(SD, 3, 3 / (0.5 * prior[SD]), batch=4))
@@ -56,7 +56,7 @@ def test_a_round_is_charged_its_own_seconds_not_the_prompts_it_waited_for():
     the record keeps the round's tokens over its wall time less the prompt's seconds."""
     from dataclasses import replace
 
-    s = measured_scheduler(discount=1.0)
+    s = measured_scheduler(half_life_s=float("inf"))
     s.observe(replace(record(AR, 1, 2.5), prompt_seconds=2.0))
     r = s.records[(AR, bucket(1))]
     assert abs(r.tokens / r.seconds - 2.0) < 1e-9
@@ -193,3 +193,17 @@ def test_an_optimistic_rate_must_still_earn_back_the_catch_up():
     w = s.cfg.explore * math.sqrt(math.log(n[AR] + n[SD]))
     scaled_after = s.after_catch_up(steady, 256, 32)[SD] * (1 + w / math.sqrt(n[SD]))
     assert scaled_after > steady[AR] * (1 + w / math.sqrt(n[AR])) * (1 + s.cfg.hysteresis)
+
+
+def test_records_fade_with_the_seconds_decoded_not_the_rounds():
+    """Drift happens in time: a choice's record weighs half after half_life_s seconds of the batch's
+    rounds, whether those were 10 long rounds or 1000 short ones (at 30-200 ms a round, forgetting per
+    round re-tried losing choices every half minute)."""
+    for rounds in (10, 1000):
+        s = measured_scheduler(half_life_s=60.0)
+        s.observe(record(SD, 3, 1.0))
+        w0 = s.records[(SD, bucket(1))].weight
+        for _ in range(rounds):
+            s.observe(record(AR, 3, 60.0 / rounds))
+        _, n = s.estimates(1, 4, 8)
+        assert abs((n[SD] - s.cfg.prior_rounds) - w0 / 2) < 1e-9

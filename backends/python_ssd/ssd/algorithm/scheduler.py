@@ -5,8 +5,10 @@ Each round the batch asks once. For every choice at the current batch size b:
   the formulas miss (Python, IPC, sampling): measured tokens over the prior's tokens in the same
   seconds, pooled over the choices measured at this batch size;
 - the record is the choice's own discounted tokens and seconds per (choice, batch-size bucket):
-  every round multiplies old rounds by ``discount``, so the record follows the machine's drift and
-  a choice not run for a while falls back to its prior;
+  an old round weighs half after ``half_life_s`` seconds of the batch's decoding, so the record
+  follows the machine's drift and a choice not run for a while falls back to its prior. Drift on a
+  shared machine happens in time, not in rounds: forgetting per round, a batch of 30-200 ms rounds
+  re-tried its losing choices every half minute;
 - the estimate blends the two, the prior weighing ``prior_rounds`` rounds;
 - the score is discounted UCB's bound on the estimate, est * (1 + explore * sqrt(log n_total /
   n_choice)): relative, as the estimate's error is (the prior is off by a factor); a choice whose
@@ -32,7 +34,7 @@ from .rounds import SPLIT_CHOICES, Choice, RoundRecord
 
 @dataclass
 class PolicyConfig:
-    discount: float = 0.995  # per round: follows drift within ~100 rounds, re-tries a losing choice as rarely
+    half_life_s: float = 120.0  # seconds of decoding after which a round's record weighs half
     prior_rounds: float = 1.0  # the cost model's prediction counts as one measured round: it ranks roughly
     explore: float = 0.35  # UCB width, a share of the choice's own estimate: tries a choice whose prior is close
     hysteresis: float = 0.1  # a costly change must predict this much more: it pays a round without a cached draft
@@ -59,16 +61,16 @@ class Decision:
 
 @dataclass
 class Discounted:
-    """Tokens, seconds and weight of a choice's rounds, each old round multiplied by the discount
-    once per scheduler round."""
+    """Tokens, seconds and weight of a choice's rounds, each old round's weight halved every
+    ``half_life`` seconds of the scheduler's clock (the seconds its batch has decoded)."""
 
     tokens: float = 0.0
     seconds: float = 0.0
     weight: float = 0.0
-    at: int = 0
+    at: float = 0.0
 
-    def decayed(self, now: int, discount: float) -> "Discounted":
-        f = discount ** max(now - self.at, 0)
+    def decayed(self, now: float, half_life: float) -> "Discounted":
+        f = 0.5 ** (max(now - self.at, 0.0) / half_life)
         return Discounted(self.tokens * f, self.seconds * f, self.weight * f, now)
 
     def add(self, tokens: float, seconds: float, weight: float) -> None:
@@ -91,6 +93,7 @@ class Scheduler:
         self.trace = trace  # callable(dict): every decision and measured round (SSD_POLICY_TRACE)
         self.current = Choice.SSD_NEURAL
         self.rounds = 0  # decided rounds of the batch
+        self.clock = 0.0  # seconds of the batch's rounds: the records' time
         self.records: dict[tuple[Choice, int], Discounted] = {}
         self._round: Decision | None = None  # this round's decision, shared by every sequence asking
         self._asked: set = set()
@@ -133,7 +136,7 @@ class Scheduler:
     def estimates(self, batch: int, k: int, budget: int, ks: dict | None = None):
         """(estimated tokens/s, weight in rounds) per choice at this batch size (see the top)."""
         prior = self.model.rates_at(batch, k, budget, ks)
-        recs = {c: self.records.get((c, bucket(batch)), Discounted()).decayed(self.rounds, self.cfg.discount)
+        recs = {c: self.records.get((c, bucket(batch)), Discounted()).decayed(self.clock, self.cfg.half_life_s)
                 for c in Choice}
         expected = sum(prior[c] * r.seconds for c, r in recs.items())
         scale = min(max(sum(r.tokens for r in recs.values()) / expected, 0.1), 10.0) if expected > 0 else 1.0
@@ -190,8 +193,9 @@ class Scheduler:
                         "drafter_forward_s": round(sum(s for _, s in rec.drafter_timing), 4),
                         "target_forward_s": round(sum(s for _, s in rec.target_timing), 4),
                         "source": rec.source, "after_switch": rec.after_switch})
+        self.clock += max(rec.seconds, 0.0) / max(rec.batch, 1)  # each of the batch's sequences reports the round
         if rec.after_switch or rec.seconds <= 0:
             return
         key = (Choice(rec.choice), bucket(rec.batch))
-        r = self.records[key] = self.records.get(key, Discounted()).decayed(self.rounds, self.cfg.discount)
+        r = self.records[key] = self.records.get(key, Discounted()).decayed(self.clock, self.cfg.half_life_s)
         r.add(rec.tokens, rec.own_seconds, 1.0 / max(rec.batch, 1))
