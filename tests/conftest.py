@@ -57,10 +57,10 @@ def engine_root() -> Path:
     return ENGINE_ROOT
 
 
-def quantize_q4_k_m(src: Path, dst: Path, ftype: str = "Q4_K_M") -> None:
-    """``src`` requantized by llama.cpp to Q4_K_M, the default target's format, so that the llama.cpp
-    engine's tests run K-quant products (SmolLM2's 576-wide rows fall back to another format; its
-    1536-wide down projections take Q4_K / Q6_K); ``ftype`` another of llama.cpp's file types."""
+def llama_quantize(src: Path, dst: Path, ftype: str = "Q4_K_M") -> None:
+    """``src`` requantized by llama.cpp to ``ftype`` (a LLAMA_FTYPE_MOSTLY_* name). Q4_K_M, the default
+    target's format, makes the llama.cpp engine's tests run K-quant products (SmolLM2's 576-wide
+    rows fall back to another format; its 1536-wide down projections take Q4_K / Q6_K)."""
     import llama_cpp
 
     if dst.exists():
@@ -85,7 +85,7 @@ def llama_target(engine_root) -> Path:
 
     cfg = yaml.safe_load((REPO / "engines" / "tiny.yaml").read_text())
     src = fetch(cfg["sources"][cfg["engines"][TARGET]["source"]], REPO / "engines" / ".cache")
-    quantize_q4_k_m(src, engine_root / TARGET / "model.gguf")
+    llama_quantize(src, engine_root / TARGET / "model.gguf")
     return engine_root / TARGET
 
 

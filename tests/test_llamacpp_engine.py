@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from conftest import PROMPTS, TARGET, quantize_q4_k_m, start_tiny_server
+from conftest import PROMPTS, TARGET, llama_quantize, start_tiny_server
 
 N_TOKENS = 24
 
@@ -167,7 +167,7 @@ def test_the_load_check_sees_the_kernel_switch(llama, llama_target, tmp_path):
     assert llama.logit_rows == LOGIT_ROW_CHOICES[0]
     q5 = tmp_path / "q5"
     shutil.copytree(llama_target, q5, ignore=shutil.ignore_patterns("*.gguf", "*.safetensors"))
-    quantize_q4_k_m(llama_target / "model.gguf", q5 / "model.gguf", "Q5_K_M")
+    llama_quantize(llama_target / "model.gguf", q5 / "model.gguf", "Q5_K_M")
     assert "Q5_K" in gguf_tensor_types(q5)
     probe = (
         "import os, sys; from ssd.engine.llamacpp_engine import LlamaCppEngine\n"

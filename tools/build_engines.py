@@ -66,7 +66,7 @@ def record_runtime(folder: Path, spec: dict) -> None:
     wanted = ({"runtime": runtime, "ov_weights": spec.get("ov_weights", "bf16")} if runtime == "openvino"
               else {"runtime": runtime} if runtime == "llamacpp" else {})
     if runtime == "llamacpp":  # the engine picks llama.cpp's kernels by them (LlamaCppEngine)
-        wanted["gguf_tensor_types"] = meta.get("gguf_tensor_types") or gguf_tensor_types(folder)
+        wanted["gguf_tensor_types"] = gguf_tensor_types(folder)  # the recorded list, else read once
     keys = ("runtime", "ov_weights", "gguf_tensor_types")
     if {k: meta.get(k) for k in keys if k in meta} != wanted:
         meta = {k: v for k, v in meta.items() if k not in keys} | wanted

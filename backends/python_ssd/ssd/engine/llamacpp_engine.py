@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -190,39 +191,45 @@ class LlamaCppEngine:
             self._thread_check[n] = same_bits_at(self, n)
         return self._thread_check[n]
 
-    def _rows_keep_bits(self, n: int) -> bool:
-        """Whether n rows in one forward get the logits they get one at a time (llama.cpp's kernel
-        choice by row count is internal to the library: checked, not assumed). Several probes: where
-        two kernels round differently, some inputs still give equal bits (on AVX2, about one in six
-        4-row forwards), so one probe can pass a row count that changes other rows."""
+    @contextmanager
+    def _probing(self):
+        """A load-time check's forwards: they change logit_rows and are timed like any call; neither
+        the setting nor their timings and reused prefixes outlive the check."""
         saved = self.logit_rows
         try:
-            return all(self._probe_keeps_bits(n, prefix, step) for prefix, step in ROW_PROBES)
+            yield
         finally:
             self.logit_rows = saved
             self.timing.clear()
             self.reused.clear()
 
+    def _probe_ids(self, count: int, step: int) -> list[int]:
+        return [(step * i) % (self.vocab_size - 10) + 10 for i in range(count)]
+
+    def _rows_keep_bits(self, n: int) -> bool:
+        """Whether n rows in one forward get the logits they get one at a time (llama.cpp's kernel
+        choice by row count is internal to the library: checked, not assumed). Several probes: where
+        two kernels round differently, some inputs still give equal bits (on AVX2, about one in six
+        4-row forwards), so one probe can pass a row count that changes other rows."""
+        with self._probing():
+            return all(self._probe_keeps_bits(n, prefix, step) for prefix, step in ROW_PROBES)
+
     def _prefill_keeps_bits(self) -> bool:
         """Whether the last row of a history prefilled in one forward (its context rows take the
         multi-row kernels) gets the logits it gets when the history is stepped one row at a time."""
-        ids = [(7919 * i) % (self.vocab_size - 10) + 10 for i in range(PREFILL_PROBE)]
+        ids = self._probe_ids(PREFILL_PROBE, ROW_PROBES[0][1])
         probe = "__prefill_probe"
-        self.logit_rows = 1
-        try:
+        with self._probing():
+            self.logit_rows = 1
             for i in range(1, len(ids) + 1):
                 stepped = self.extend([ExtendCall(probe, ids[:i], 1)])[0]
             self.release(probe, keep_prefix=False)
             once = self.extend([ExtendCall(probe, ids, 1)])[0]
             self.release(probe, keep_prefix=False)
             return torch.equal(stepped, once)
-        finally:
-            self.logit_rows = N_BATCH
-            self.timing.clear()
-            self.reused.clear()
 
     def _probe_keeps_bits(self, n: int, prefix: int, step: int) -> bool:
-        ids = [(step * i) % (self.vocab_size - 10) + 10 for i in range(prefix + n)]
+        ids = self._probe_ids(prefix + n, step)
         probe = "__rows_probe"
         self.logit_rows = 1
         self.extend([ExtendCall(probe, ids[:prefix], 1)])
