@@ -22,7 +22,9 @@ Why these settings (docs/cpu_engine.md has the measurements):
 - A call's context rows (a prompt's, before its last token) run in forwards of up to N_BATCH rows,
   the prompts of a call packed together as logit rows are, where the GEMM kernels make a prefill
   several times cheaper a row. A row's bits do not depend on its forward (the same kernels), so a
-  prompt prefilled with others, or its history recomputed in one prefill, gives the same bits.
+  prompt prefilled with others, or its history recomputed in one prefill, gives the same bits, and
+  a prompt's logit rows end its last prefill forward instead of taking a forward of their own
+  (a one-row forward reads every weight: 30-40 ms a request at 2 threads).
 - The library is built without the llamafile GEMMs (tools/llamacpp/install_llama_cpp_python.sh).
 - Attention sums over a sequence's KV cells in SIMD lanes picked by the cell's index, so a sequence
   must occupy the same cells whatever else is cached: one KV stream per sequence (kv_unified off),
@@ -215,8 +217,8 @@ class LlamaCppEngine:
             return all(self._probe_keeps_bits(n, prefix, step) for prefix, step in ROW_PROBES)
 
     def _prefill_keeps_bits(self) -> bool:
-        """Whether the last row of a history prefilled in one forward (its context rows take the
-        multi-row kernels) gets the logits it gets when the history is stepped one row at a time."""
+        """Whether the last row of a history prefilled in one forward (the multi-row kernels) gets the
+        logits it gets when the history is stepped one row at a time."""
         ids = self._probe_ids(PREFILL_PROBE, ROW_PROBES[0][1])
         probe = "__prefill_probe"
         with self._probing():
@@ -309,20 +311,22 @@ class LlamaCppEngine:
                 self.reused[c.seq_id] = start
             self.L.llama_memory_seq_rm(self.memory, s.index, start, -1)
             s.tokens = list(c.tokens[:start])
-            if start < first_logit:
-                context.append([(i, s, p, c.tokens[p], False) for p in range(start, first_logit)])
-            logit_rows.append([(i, s, p, c.tokens[p], True) for p in range(first_logit, len(c.tokens))])
+            if start < first_logit:  # a prompt: its logit rows end its last context forward (no one-row forward of their own)
+                context.append([(i, s, p, c.tokens[p], p >= first_logit) for p in range(start, len(c.tokens))])
+            else:
+                logit_rows.append([(i, s, p, c.tokens[p], True) for p in range(first_logit, len(c.tokens))])
         out: list[list[np.ndarray]] = [[] for _ in calls]
         t0 = time.perf_counter()
         for rows in pack_forwards(context, N_BATCH):  # prompts arriving together share forwards
             self._decode(rows, out)
         if context:  # prompts: 0 rows, which the cost curves skip (workers/target.py reports them apart)
             self.timing.append((0, time.perf_counter() - t0))
-        t0 = time.perf_counter()
-        for rows in pack_forwards(logit_rows, self.logit_rows):
-            self._decode(rows, out)
-        # the cost curve prices a call's decode and verify rows; context rows (prefills) take other kernels
-        self.timing.append((sum(map(len, logit_rows)), time.perf_counter() - t0))
+        if logit_rows:
+            t0 = time.perf_counter()
+            for rows in pack_forwards(logit_rows, self.logit_rows):
+                self._decode(rows, out)
+            # the cost curve prices a call's decode and verify rows; prefills take other kernels
+            self.timing.append((sum(map(len, logit_rows)), time.perf_counter() - t0))
         for c in calls:
             self.sequences[c.seq_id].tokens = list(c.tokens)
         return [torch.from_numpy(np.stack(o)) for o in out]
