@@ -38,6 +38,7 @@ Why these settings (docs/cpu_engine.md has the measurements):
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import time
@@ -50,6 +51,7 @@ import torch
 
 from .engine import ExtendCall, common_prefix, same_bits_at
 from .meta import engine_meta, gguf_tensor_types
+from .prefix_store import PrefixStore
 
 GGUF_NAME = "model.gguf"
 N_BATCH = 512  # context rows per llama_decode: longer prefills run in chunks
@@ -122,7 +124,7 @@ class Slot:
 
 class LlamaCppEngine:
     def __init__(self, folder: str | os.PathLike, threads: int | None = None, exact: bool = True,
-                 max_sequences: int = 16, max_len: int = 4096):
+                 max_sequences: int = 16, max_len: int = 4096, cache_ram_mb: float = 0):
         folder = Path(folder)
         gguf = folder / GGUF_NAME
         if not gguf.exists():
@@ -167,6 +169,7 @@ class LlamaCppEngine:
         self.sequences: dict[str, Slot] = {}
         self.free = {i: [] for i in range(self.max_sequences)}  # free stream -> the tokens its KV still holds
         self.reused: dict[str, int] = {}  # new sequences' prompt tokens found in a free stream (take_reused)
+        self.store = PrefixStore(int(cache_ram_mb * 2**20))  # kept prefixes past the streams (prefix_store.py)
         self.timing: list[tuple[int, float]] = []
         self._thread_check: dict[int, bool] = {}
         self.logit_rows = N_BATCH
@@ -254,10 +257,32 @@ class LlamaCppEngine:
             # the longest kept prefix; on a tie the lowest stream, so the live streams stay consecutive
             # (pack_forwards)
             index = max(self.free, key=lambda i: (common_prefix(self.free[i], tokens), -i))
-            s = Slot(index, self.free.pop(index))
+            s = Slot(index, self._from_store(index, self.free.pop(index), tokens))
             self.sequences[seq_id] = s
         s.last_used = time.monotonic()
         return s
+
+    def _from_store(self, index: int, kept: list[int], tokens: list[int]) -> list[int]:
+        """The tokens stream ``index`` holds for a new sequence of ``tokens``: its kept tokens are
+        saved to the store before they are overwritten, and a stored prefix longer than theirs is
+        written back into the stream."""
+        if not self.store.budget:
+            return kept
+        have = common_prefix(kept, tokens)
+        if len(kept) > have and not self.store.covers(kept):
+            size = self.L.llama_state_seq_get_size(self.ctx, index)
+            buf = (ctypes.c_uint8 * size)()
+            if self.L.llama_state_seq_get_data(self.ctx, buf, size, index) == size:
+                self.store.put(kept, bytes(buf))
+        n, key = self.store.longest(tokens)
+        if n <= have:
+            return kept
+        data = self.store.entries[key]
+        if self.L.llama_state_seq_set_data(self.ctx, (ctypes.c_uint8 * len(data)).from_buffer_copy(data),
+                                           len(data), index):
+            return list(key)
+        self.L.llama_memory_seq_rm(self.memory, index, 0, -1)  # a failed restore leaves nothing usable
+        return []
 
     def release(self, seq_id: str, keep_prefix: bool = True) -> None:
         """Frees the sequence's stream; its KV stays for a later sequence with the same prefix unless

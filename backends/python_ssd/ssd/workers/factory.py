@@ -38,7 +38,8 @@ def build_worker(role: str, params: dict[str, str], engine_dir: str | None):
         from ..engine.llamacpp_engine import LlamaCppEngine
         return _worker(role, LlamaCppEngine(engine_dir, threads=threads, exact=exact,
                                             max_sequences=int(params.get("max_sequences") or 16),
-                                            max_len=int(params.get("max_len") or 4096)))
+                                            max_len=int(params.get("max_len") or 4096),
+                                            cache_ram_mb=float(params.get("cache_ram_mb") or 0)))
     if backend == "openvino":
         from ..engine.ov_engine import OpenVinoEngine
         weights = params.get("ov_weights") or _folder_meta(engine_dir).get("ov_weights") or "bf16"
