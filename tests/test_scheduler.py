@@ -31,7 +31,7 @@ def test_warm_up_pins_and_forced_modes():
 
 def test_measured_rates_overrule_the_prior_and_rescale_the_others():
     """SD at batch 4 runs at half its prediction: its estimate goes to what it measured, and the
-    other choices' priors are scaled by the same shortfall (the formulas miss the same overheads)."""
+    other choices' priors are scaled by the same shortfall while no round of their mode is measured."""
     s = measured_scheduler(half_life_s=float("inf"))
     prior = s.model.rates(4, 4, 8)
     for _ in range(4 * 40):
@@ -41,6 +41,20 @@ def test_measured_rates_overrule_the_prior_and_rescale_the_others():
     assert abs(est[AR] / prior[AR] - 0.5) < 1e-6 and n[AR] == s.cfg.prior_rounds
     assert abs(n[SD] - s.cfg.prior_rounds - 40) < 1e-6  # 4 sequences reporting one round weigh one round
     assert s.estimates(16, 4, 8)[0] == s.model.rates(16, 4, 8)  # another bucket: the prior alone
+
+
+def test_each_mode_borrows_the_shortfall_of_its_own_measured_rounds():
+    """AR rounds run as predicted and SD rounds at half: the wide layouts' priors take their own
+    mode's shortfall (an SD round's hand-offs do not slow an AR round down)."""
+    s = measured_scheduler(half_life_s=float("inf"))
+    prior = s.model.rates(4, 4, 8)
+    for _ in range(4 * 20):
+        s.observe(record(SD, 3, 3 / (0.5 * prior[SD]), batch=4))
+        s.observe(record(AR, 1, 1 / prior[AR], batch=4))
+    est, _ = s.estimates(4, 4, 8)
+    assert abs(est[Choice.AR_WIDE] / prior[Choice.AR_WIDE] - 1.0) < 1e-6
+    assert abs(est[Choice.SD_WIDE] / prior[Choice.SD_WIDE] - 0.5) < 1e-6
+    assert 0.5 < est[SSD_N] / prior[SSD_N] < 1.0  # no SSD round yet: every measured round's shortfall
 
 
 def test_a_round_right_after_a_costly_switch_is_left_out():

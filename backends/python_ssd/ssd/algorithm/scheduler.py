@@ -2,8 +2,10 @@
 
 Each round the batch asks once. For every choice at the current batch size b:
 - the prior is the cost model's predicted tokens/s per sequence (cost_model.py), scaled by what
-  the formulas miss (Python, IPC, sampling): measured tokens over the prior's tokens in the same
-  seconds, pooled over the choices measured at this batch size;
+  its formula misses (Python, IPC, sampling, a drafter's hand-offs): measured tokens over the
+  prior's tokens in the same seconds, pooled over the measured choices of the same mode at this
+  batch size (AR's formula misses what AR rounds pay on either layout, SD's what SD rounds pay),
+  and over every measured choice for a mode not yet measured there;
 - the record is the choice's own discounted tokens and seconds per (choice, batch-size bucket):
   an old round weighs half after ``half_life_s`` seconds of the batch's decoding, so the record
   follows the machine's drift and a choice not run for a while falls back to its prior. Drift on a
@@ -138,11 +140,16 @@ class Scheduler:
         prior = self.model.rates_at(batch, k, budget, ks)
         recs = {c: self.records.get((c, bucket(batch)), Discounted()).decayed(self.clock, self.cfg.half_life_s)
                 for c in Choice}
-        expected = sum(prior[c] * r.seconds for c, r in recs.items())
-        scale = min(max(sum(r.tokens for r in recs.values()) / expected, 0.1), 10.0) if expected > 0 else 1.0
+
+        def shortfall(choices) -> float | None:
+            expected = sum(prior[c] * recs[c].seconds for c in choices)
+            return min(max(sum(recs[c].tokens for c in choices) / expected, 0.1), 10.0) if expected > 0 else None
+
+        pooled = shortfall(list(Choice)) or 1.0
+        by_mode = {m: shortfall([c for c in Choice if c.mode == m]) for m in {c.mode for c in Choice}}
         p = self.cfg.prior_rounds
-        est = {c: (p * scale * prior[c] + r.tokens / max(r.seconds, 1e-9) * r.weight) / (p + r.weight)
-               for c, r in recs.items()}
+        est = {c: (p * (by_mode[c.mode] or pooled) * prior[c] + r.tokens / max(r.seconds, 1e-9) * r.weight)
+               / (p + r.weight) for c, r in recs.items()}
         return est, {c: p + r.weight for c, r in recs.items()}
 
     def after_catch_up(self, est: dict, owed_rows: int, tokens_left: float) -> dict:
