@@ -43,3 +43,33 @@ def test_calibration_without_wide_rounds_leaves_the_wide_curves_to_the_rounds(en
     asyncio.run(calibrate(local_client(engines, "strong"), model, wide_threads=0, max_batch=1))
     assert model.target.known and model.drafter.known
     assert not model.target_wide.known and not model.drafter_wide.known
+
+
+def test_each_shape_keeps_its_faster_run():
+    """A first forward slowed by a one-off (the other engine's threads still spinning) must not
+    become the curve: each shape runs twice and the faster run is what the curve learns."""
+    from types import SimpleNamespace
+
+    from ssd.algorithm.cost_model import CostModel
+    from ssd.decoding.calibration import calibrate
+
+    class Client:
+        def __init__(self):
+            self.seen = set()
+
+        async def call_many(self, kind, calls):
+            rows = len(calls) * (len(calls[0].draft) + 1 if kind == "verify" else 1)
+            seconds = 0.01 if (kind, rows) in self.seen else 0.05  # a shape's first run: five times slower
+            self.seen.add((kind, rows))
+            return [SimpleNamespace(timing=[(rows, seconds)]) for _ in calls]
+
+        async def release_many(self, ids):
+            pass
+
+        async def release(self, seq):
+            pass
+
+    model = CostModel()
+    asyncio.run(calibrate(Client(), model, wide_threads=0, max_batch=1))
+    assert [round(b[1], 6) for b in model.target.buckets.values()] == [0.01, 0.01]  # 1 and 2 rows
+    assert [round(b[1], 6) for b in model.drafter.buckets.values()] == [0.01]

@@ -7,6 +7,9 @@ and under a sudden load its first rounds pick from guesses (SSD rounds of severa
 users where an AR round takes half a second). So the first request first runs the shapes decoding
 runs: b sequences of one row (AR and drafter steps) and of two rows (a verify), b up to the
 server's largest batch, on each layout, and feeds their timings to the same curves the rounds feed.
+Each shape runs twice and the faster run is kept: a single forward can be slowed severalfold by a
+one-off (the other engine's threads still spinning after its call, a page fault), and a curve
+that starts twice too slow keeps the scheduler off that layout until the bandit explores it.
 The sequences are one token long, so no prefill is timed, and are released at once. Apart from
 the curves, the drafter prefills one prompt of CATCH_UP_ROWS tokens on each layout: its seconds a
 row price the catch-up a drafting choice pays after AR rounds (Scheduler.after_catch_up).
@@ -20,6 +23,7 @@ from ..algorithm.sampling import SamplingParams
 from ..workers.protocol import DraftCall, VerifyCall
 
 TOKEN = 100  # any id every vocabulary has; costs do not depend on it
+REPEATS = 2  # runs of each shape; the fastest is kept
 CATCH_UP_ROWS = 64  # a short prompt's rows: the drafter's prefill cost a row
 
 
@@ -45,20 +49,23 @@ async def calibrate(client, model: CostModel, wide_threads: int, max_batch: int)
     for threads in (0, wide_threads) if wide_threads > 0 else (0,):
         target, drafter = (model.target_wide, model.drafter_wide) if threads else (model.target, model.drafter)
         for b, rows in shapes(max(1, max_batch)):
-            ids = [f"__calibrate_{threads}_{b}_{rows}_{i}" for i in range(b)]
-            try:
-                verify = await client.call_many("verify", [
-                    VerifyCall(s, [TOKEN], [TOKEN] * (rows - 1), greedy, threads=threads) for s in ids])
-                # drafter steps are one row a sequence; its tree rows are priced past the largest batch
-                draft = await client.call_many("draft", [DraftCall(s, [TOKEN], 1, greedy, threads=threads)
-                                                         for s in ids]) if rows == 1 else []
-            finally:
-                await client.release_many(ids)
-            for curve, results in ((target, verify), (drafter, draft)):
-                if results and not isinstance(results[0], Exception):
-                    for n, seconds in results[0].timing:
-                        curve.observe(n, seconds)
-                        measured += 1
+            runs: dict[str, list] = {"verify": [], "draft": []}
+            for rep in range(REPEATS):
+                ids = [f"__calibrate_{threads}_{b}_{rows}_{rep}_{i}" for i in range(b)]
+                try:
+                    runs["verify"].append(await client.call_many("verify", [
+                        VerifyCall(s, [TOKEN], [TOKEN] * (rows - 1), greedy, threads=threads) for s in ids]))
+                    # drafter steps are one row a sequence; its tree rows are priced past the largest batch
+                    if rows == 1:
+                        runs["draft"].append(await client.call_many(
+                            "draft", [DraftCall(s, [TOKEN], 1, greedy, threads=threads) for s in ids]))
+                finally:
+                    await client.release_many(ids)
+            for curve, kind in ((target, "verify"), (drafter, "draft")):
+                timings = [r[0].timing for r in runs[kind] if r and not isinstance(r[0], Exception)]
+                for n, seconds in min(timings, key=lambda t: sum(s for _, s in t), default=[]):
+                    curve.observe(n, seconds)
+                    measured += 1
         seq = f"__calibrate_{threads}_catch_up"
         t0 = time.perf_counter()
         try:
