@@ -185,6 +185,7 @@ class Scheduler:
             self.trace({"ev": "decide", "round": self.rounds, "batch": batch, "k": k, "budget": budget,
                         "choice": best.value, "reason": reason, "owed_rows": owed_rows, "tokens_left": tokens_left,
                         "ks": {c.value: v for c, v in (ks or {}).items()},
+                        "prior": {c.value: round(v, 3) for c, v in self.model.rates_at(batch, k, budget, ks).items()},
                         "est": {c.value: round(v, 3) for c, v in est.items()},
                         "score": {c.value: round(v, 3) for c, v in score.items()}})
         return Decision(best, reason, est, dict(ks or {}))
