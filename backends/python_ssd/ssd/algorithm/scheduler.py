@@ -135,9 +135,10 @@ class Scheduler:
         forced = Choice(self.forced_mode) if self.forced_mode else None
         return forced if forced in allowed else None
 
-    def estimates(self, batch: int, k: int, budget: int, ks: dict | None = None):
-        """(estimated tokens/s, weight in rounds) per choice at this batch size (see the top)."""
-        prior = self.model.rates_at(batch, k, budget, ks)
+    def estimates(self, batch: int, k: int, budget: int, ks: dict | None = None, prior: dict | None = None):
+        """(estimated tokens/s, weight in rounds) per choice at this batch size (see the top);
+        ``prior``: the cost model's rates, where the caller has them."""
+        prior = prior or self.model.rates_at(batch, k, budget, ks)
         recs = {c: self.records.get((c, bucket(batch)), Discounted()).decayed(self.clock, self.cfg.half_life_s)
                 for c in Choice}
 
@@ -167,7 +168,8 @@ class Scheduler:
                     owed_rows: int = 0, tokens_left: float = 0.0) -> Decision:
         self.rounds += 1
         ks = self.model.best_k(batch, k, budget) if adaptive_k else None
-        steady, n = self.estimates(batch, k, budget, ks)
+        prior = self.model.rates_at(batch, k, budget, ks)
+        steady, n = self.estimates(batch, k, budget, ks, prior)
         width = self.cfg.explore * math.sqrt(math.log(sum(n[c] for c in allowed)))
         # the bound is on the steady rate, the uncertain part; the catch-up is a measured one-off,
         # priced after the bound (an optimistic rate must still earn back the same seconds)
@@ -185,7 +187,7 @@ class Scheduler:
             self.trace({"ev": "decide", "round": self.rounds, "batch": batch, "k": k, "budget": budget,
                         "choice": best.value, "reason": reason, "owed_rows": owed_rows, "tokens_left": tokens_left,
                         "ks": {c.value: v for c, v in (ks or {}).items()},
-                        "prior": {c.value: round(v, 3) for c, v in self.model.rates_at(batch, k, budget, ks).items()},
+                        "prior": {c.value: round(v, 3) for c, v in prior.items()},
                         "est": {c.value: round(v, 3) for c, v in est.items()},
                         "score": {c.value: round(v, 3) for c, v in score.items()}})
         return Decision(best, reason, est, dict(ks or {}))

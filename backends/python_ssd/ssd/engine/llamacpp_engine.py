@@ -273,13 +273,12 @@ class LlamaCppEngine:
             size = self.L.llama_state_seq_get_size(self.ctx, index)
             buf = (ctypes.c_uint8 * size)()
             if self.L.llama_state_seq_get_data(self.ctx, buf, size, index) == size:
-                self.store.put(kept, bytes(buf))
+                self.store.put(kept, buf)  # the buffer itself: no copy on the way in or back
         n, key = self.store.longest(tokens)
         if n <= have:
             return kept
         data = self.store.entries[key]
-        if self.L.llama_state_seq_set_data(self.ctx, (ctypes.c_uint8 * len(data)).from_buffer_copy(data),
-                                           len(data), index):
+        if self.L.llama_state_seq_set_data(self.ctx, data, len(data), index):
             return list(key)
         self.L.llama_memory_seq_rm(self.memory, index, 0, -1)  # a failed restore leaves nothing usable
         return []

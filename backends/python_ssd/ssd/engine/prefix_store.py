@@ -16,6 +16,7 @@ Least recently used entries go first once their bytes pass the budget.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sized
 
 from .engine import common_prefix
 
@@ -23,10 +24,11 @@ from .engine import common_prefix
 class PrefixStore:
     def __init__(self, budget_bytes: int):
         self.budget = max(0, int(budget_bytes))
-        self.entries: OrderedDict[tuple[int, ...], bytes] = OrderedDict()  # tokens -> state, oldest first
+        # tokens -> their llama.cpp state (a byte buffer: len() is its size), oldest first
+        self.entries: OrderedDict[tuple[int, ...], Sized] = OrderedDict()
         self.bytes = 0
 
-    def put(self, tokens: list[int], data: bytes) -> None:
+    def put(self, tokens: list[int], data: Sized) -> None:
         key = tuple(tokens)
         if not key or len(data) > self.budget:
             return
