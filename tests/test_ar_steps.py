@@ -71,3 +71,89 @@ def test_target_steps_stop_at_an_end_token_and_batch_with_verifies(engines, code
         worker.release("b")
     assert a.decoded + [a.token] == ref[:4]
     assert (b.accepted, b.token, b.decoded) == (alone.accepted, alone.token, []) == (3, ref2[4], [])
+
+
+def test_a_raised_waiting_flag_ends_a_multi_step_call_after_its_step(engines, codec, ar_outputs):
+    """The target reads the orchestrator's waiting flag between steps: raised, an 8-step AR call
+    returns after its first step (no end token, no max_tokens), and the calls after it still give
+    the target's own tokens."""
+    from ssd.workers.protocol import VerifyCall
+    from ssd.workers.target import TargetWorker
+    from ssd.workers.waiting import WaitingFlag
+
+    flag = WaitingFlag()
+    worker = TargetWorker(engines["target"], waiting=flag)
+    ids, ref = codec.encode_prompt(PROMPTS[0]), ar_outputs[0]
+    try:
+        flag.raise_()
+        cut = worker.verify([VerifyCall("w", ids, [], steps=8)])[0]
+        flag.clear()
+        rest = worker.verify([VerifyCall("w", ids + [cut.token], [], steps=8)])[0]
+    finally:
+        worker.release("w")
+    assert (cut.decoded, cut.token) == ([], ref[0])
+    assert rest.decoded + [rest.token] == ref[1:9]
+
+
+class _SlowTarget:
+    """The tiny target with each forward slowed down, so that a multi-step call is still running
+    when a second request arrives; ``second_call`` is set at the first sequence's second forward
+    (the first step of its second call: its first call is the prefill)."""
+
+    def __init__(self, engine, pause: float):
+        import threading
+
+        self.engine, self.pause, self.calls = engine, pause, 0
+        self.second_call = threading.Event()
+
+    def extend(self, calls):
+        import time
+
+        if any(c.seq_id == "first" for c in calls):  # one forward a step
+            self.calls += 1
+            if self.calls >= 2:
+                self.second_call.set()
+        time.sleep(self.pause)
+        return self.engine.extend(calls)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+@pytest.mark.parametrize("wired", [True, False])
+def test_a_request_arriving_during_a_multi_step_call_cuts_it_short(engines, codec, ar_outputs, wired):
+    """Served path in process: the coalescer raises the target's flag when a second request's first
+    call arrives while the first request's 8-step AR call runs, so that call returns before its 8
+    steps (without the flag wired, it runs all 8); both requests still get the target's tokens."""
+    from ssd.decoding.coalescer import CoalescingClient
+    from ssd.decoding.generator import DecodeConfig, SharedState
+    from ssd.decoding.local_client import LocalClient
+    from ssd.workers.drafter import DrafterWorker
+    from ssd.workers.fast_backup import NgramWorker
+    from ssd.workers.target import TargetWorker
+    from ssd.workers.waiting import WaitingFlag
+
+    flag = WaitingFlag()
+    slow = _SlowTarget(engines["target"], pause=0.02)
+    shared = SharedState(ar_steps=8)
+    inner = LocalClient(TargetWorker(slow, waiting=flag), DrafterWorker(engines["strong"]), NgramWorker())
+    client = VerifyLog(CoalescingClient(inner, expected=lambda: shared.active, waiting=flag if wired else None))
+    ids_a, ids_b = codec.encode_prompt(PROMPTS[0]), codec.encode_prompt(PROMPTS[1])
+
+    async def main():
+        first = asyncio.create_task(generate(client, ids_a, DecodeConfig(mode="ar"), seq="first", shared=shared))
+        await asyncio.to_thread(slow.second_call.wait, 30)
+        second = await generate(client, ids_b, DecodeConfig(mode="ar"), seq="second", shared=shared)
+        return (await first)[0], second[0]
+
+    out_a, out_b = asyncio.run(main())
+    assert out_a == ar_outputs[0] and out_b == ar_outputs[1]
+    second_call = [(c, r) for c, r in client.calls if c.seq_id == "first"][1]
+    call, result = second_call
+    assert call.steps == 8
+    eos = engines["target"].eos_ids
+    assert not any(t in eos for t in result.decoded + [result.token])
+    if wired:
+        assert 1 + len(result.decoded) < 8
+    else:
+        assert 1 + len(result.decoded) == 8

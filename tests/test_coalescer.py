@@ -191,3 +191,53 @@ def test_a_waiter_cancelled_before_it_runs_is_passed_over():
 
     gate, first = asyncio.run(main())
     assert first.cancelled() and gate.key == "split" and gate.count == 1 and not gate.waiting
+
+
+def test_a_verify_call_waiting_for_a_verify_message_raises_the_flag_until_it_leaves():
+    """The target's waiting flag (workers/waiting.py): raised when a verify call arrives while a
+    verify message is in flight, lowered when the next verify message leaves; draft calls and a
+    call that finds nothing in flight leave it down."""
+    from ssd.workers.waiting import WaitingFlag
+
+    flag = WaitingFlag()
+    seen = []
+
+    class Recorder(Engine):
+        async def call_many(self, op, calls):
+            seen.append((op, list(calls), flag.is_raised()))
+            return await super().call_many(op, calls)
+
+    async def main():
+        eng = Recorder(0.05)
+        client = CoalescingClient(eng, expected=lambda: 1, window_frac=0.0, max_window=0.0, waiting=flag)
+        first = asyncio.ensure_future(client.verify("a0"))
+        await asyncio.sleep(0.01)
+        raised_before = flag.is_raised()
+        draft = asyncio.ensure_future(client.draft("d0"))
+        await asyncio.sleep(0.01)
+        raised_by_draft = flag.is_raised()
+        second = asyncio.ensure_future(client.verify("b0"))
+        await asyncio.sleep(0.01)
+        raised_by_verify = flag.is_raised()
+        await asyncio.gather(first, draft, second)
+        return raised_before, raised_by_draft, raised_by_verify, flag.is_raised()
+
+    before, by_draft, by_verify, after = asyncio.run(main())
+    assert (before, by_draft, by_verify, after) == (False, False, True, False)
+    # each verify message left with the flag down: b0's message lowered it as it left
+    assert [(op, calls, up) for op, calls, up in seen if op == "verify"] == [("verify", ["a0"], False),
+                                                                             ("verify", ["b0"], False)]
+
+
+def test_the_waiting_flag_is_shared_through_its_file(tmp_path):
+    """Two processes' flags on one file (the orchestrator's and the target's) see each other."""
+    from ssd.workers.waiting import WaitingFlag, flag_path
+
+    a, b = WaitingFlag(tmp_path / "f"), WaitingFlag(tmp_path / "f")
+    a.raise_()
+    assert b.is_raised()
+    b.clear()
+    assert not a.is_raised()
+    a.unlink()
+    assert not (tmp_path / "f").exists()
+    assert flag_path("target") != flag_path("other") and flag_path("target").name.endswith("target.waiting")

@@ -13,6 +13,10 @@ than 1). So each operation has a scheduler of one message in flight, as in conti
   execute (sent as N requests in the same tick, they reached the engine in groups that took
   turns: Triton's queue hands the model what has arrived, not what was sent).
 
+A verify call that arrives while a verify message is in flight raises the target's waiting flag
+(workers/waiting.py): a multi-step AR message ends after its step in progress instead of holding
+the call for up to ``ar_steps`` forwards. The flag is lowered when the next verify message leaves.
+
 A wide message (calls with ``threads`` > 0: one engine on every core) owns the cores: it waits
 until no message of the other engine is in flight, and one of the other engine waits for it
 (``CoreGate``). Split messages (target and drafter on a core each) run side by side. Without the
@@ -27,6 +31,7 @@ import time
 from typing import Callable
 
 from ..workers.protocol import ROUTE
+from ..workers.waiting import WaitingFlag
 
 OPS = ("verify", "draft", "speculate")
 SPLIT = "split"
@@ -80,8 +85,9 @@ class CoreGate:
 
 class _Barrier:
     def __init__(self, op: str, send: Callable, expected: Callable[[], int], window_frac: float, max_window: float,
-                 gate: CoreGate):
+                 gate: CoreGate, waiting: WaitingFlag | None = None):
         self.op, self.send, self.expected, self.gate = op, send, expected, gate
+        self.waiting = waiting  # the engine's flag for "a call of this op waits" (verify only)
         self.window_frac, self.max_window = window_frac, max_window
         self.pending: list[tuple[object, asyncio.Future]] = []
         self.timer: asyncio.TimerHandle | None = None
@@ -93,6 +99,8 @@ class _Barrier:
         self.pending.append((call, fut))
         if self.in_flight is None:
             self._schedule()
+        elif self.waiting is not None:
+            self.waiting.raise_()
         return await fut
 
     def _schedule(self) -> None:
@@ -113,6 +121,8 @@ class _Barrier:
         # its call would recreate a sequence the engines have already released
         batch, self.pending = [(c, f) for c, f in self.pending if not f.done()], []
         if batch:
+            if self.waiting is not None:  # every waiting call leaves with this message
+                self.waiting.clear()
             self.in_flight = asyncio.ensure_future(self._run(batch))
 
     async def _run(self, batch: list[tuple[object, asyncio.Future]]) -> None:
@@ -143,10 +153,12 @@ class CoalescingClient:
     """Wraps a WorkerClient with ``call_many(op, calls) -> results | exceptions in order``: verify,
     draft and speculate calls go through one barrier each."""
 
-    def __init__(self, inner, expected: Callable[[], int], window_frac: float = 0.1, max_window: float = 0.05):
+    def __init__(self, inner, expected: Callable[[], int], window_frac: float = 0.1, max_window: float = 0.05,
+                 waiting: WaitingFlag | None = None):
         self.inner = inner
         self.gate = CoreGate()
-        self._barriers = {op: _Barrier(op, inner.call_many, expected, window_frac, max_window, self.gate)
+        self._barriers = {op: _Barrier(op, inner.call_many, expected, window_frac, max_window, self.gate,
+                                       waiting if op == "verify" else None)
                           for op in OPS}
 
     async def verify(self, call):

@@ -15,6 +15,7 @@ import triton_python_backend_utils as pb_utils
 from ..engine.meta import resolve_engine_dir
 from ..workers.factory import build_worker
 from ..workers.protocol import CallError, decode_calls, encode_results, worker_method
+from ..workers.waiting import WaitingFlag
 from .placement import Placement
 
 
@@ -32,6 +33,8 @@ class EngineModel:
         self.role = role
         engine = params.get("engine")
         self.worker = build_worker(role, params, resolve_engine_dir(engine) if engine else None)
+        if role == "target":  # the orchestrator's coalescer raises it while a call waits for this model
+            self.worker.waiting = WaitingFlag.for_target(config.get("name", role))
         self.placement = Placement(getattr(self.worker, "engine", None), params.get("cores", ""),
                                    params.get("wide_cores", ""), params.get("threads", ""))
         # what this engine holds, on Triton's /metrics: the soak and the tests read leaks from it

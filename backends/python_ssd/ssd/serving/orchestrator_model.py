@@ -25,6 +25,7 @@ from ..decoding.generator import Generation, SharedState
 from ..decoding.stopping import StopChecker
 from ..decoding.text import TextCodec
 from ..engine.meta import resolve_engine_dir
+from ..workers.waiting import WaitingFlag
 from .bls_client import BLSClient
 from . import errors
 from .metrics import Metrics
@@ -50,9 +51,11 @@ class OrchestratorModel:
             self.shared.policy.trace = lambda ev: self._trace_file.write(
                 json.dumps({"t": round(time.time(), 3), **ev}) + "\n")
         # concurrent sequences reach the engines together (see decoding/coalescer.py); 0 disables
-        self.client = CoalescingClient(BLSClient(), expected=lambda: self.shared.active,
-                                       max_window=cfg.coalesce_window_ms / 1000) \
-            if cfg.coalesce_window_ms > 0 else BLSClient()
+        bls = BLSClient()
+        self.waiting = WaitingFlag.for_target(bls.models["target"])
+        self.client = CoalescingClient(bls, expected=lambda: self.shared.active,
+                                       max_window=cfg.coalesce_window_ms / 1000, waiting=self.waiting) \
+            if cfg.coalesce_window_ms > 0 else bls
         self.metrics = Metrics()
         self._calibration: asyncio.Future | None = None  # the engines' costs, measured before the first decode
         self.shared.on_active = self.metrics.set_active  # the gauge follows the one count of decoding requests
@@ -216,6 +219,7 @@ class OrchestratorModel:
             await self.client.release(seq_id)
 
     def finalize(self):
+        self.waiting.unlink()
         if self.supervisor is not None:
             self.supervisor.stop()
         if self._trace_file is not None:

@@ -5,8 +5,9 @@ prefix plus draft tokens (and the drafter's q' rows when sampling), out comes th
 exactly one target token.
 An AR call (no draft) may ask for several steps (VerifyCall.steps): the target then decodes up to
 that many tokens itself, one one-row forward each, as the same number of one-step calls would (step
-s samples with round + s's stream), and stops after an end-of-sequence token. One message then
-carries several tokens: the per-token cost of the orchestrator's round trip is divided by them.
+s samples with round + s's stream), and stops after an end-of-sequence token, or after the step in
+progress when another call waits for the target (workers/waiting.py). One message then carries
+several tokens: the per-token cost of the orchestrator's round trip is divided by them.
 The target's own distribution p never leaves this process.
 """
 from __future__ import annotations
@@ -15,13 +16,15 @@ from ..algorithm.sampling import round_generator
 from ..algorithm.verification import verify
 from ..engine.engine import ExtendCall, TorchEngine
 from .protocol import VerifyCall, VerifyResult, attach_timing
+from .waiting import WaitingFlag
 
 VERIFY_STREAM = 1
 
 
 class TargetWorker:
-    def __init__(self, engine: TorchEngine):
+    def __init__(self, engine: TorchEngine, waiting: WaitingFlag | None = None):
         self.engine = engine
+        self.waiting = waiting or WaitingFlag()  # raised by the orchestrator while a call waits
 
     def verify(self, calls: list[VerifyCall]) -> list[VerifyResult]:
         out = [VerifyResult(0, -1) for _ in calls]
@@ -39,7 +42,7 @@ class TargetWorker:
                 o = verify(lg, c.draft, c.draft_probs, c.params, g)
                 out[i] = VerifyResult(o.accepted, o.token, list(decoded[i]))
             live = [i for i in live if not calls[i].draft and step + 1 < calls[i].steps and out[i].token not in eos]
-            if not live:
+            if not live or self.waiting.is_raised():
                 break
         timing = self.engine.take_timing()
         # engines that run prompts in forwards of their own report them as 0 rows (llamacpp_engine.py)
