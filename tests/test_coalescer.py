@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 from ssd.decoding.coalescer import CoalescingClient
@@ -241,3 +242,20 @@ def test_the_waiting_flag_is_shared_through_its_file(tmp_path):
     a.unlink()
     assert not (tmp_path / "f").exists()
     assert flag_path("target") != flag_path("other") and flag_path("target").name.endswith("target.waiting")
+
+
+def test_flags_of_servers_that_are_gone_are_removed(tmp_path):
+    """A killed server leaves its flag file; the next orchestrator removes those whose server
+    process is gone and keeps a live server's."""
+    import subprocess
+    import sys
+
+    from ssd.workers.waiting import remove_stale
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone, live = tmp_path / f"ssd-{dead.pid}-target.waiting", tmp_path / f"ssd-{os.getpid()}-target.waiting"
+    for f in (gone, live):
+        f.write_bytes(b"\0")
+    assert remove_stale(tmp_path) == [gone]
+    assert not gone.exists() and live.exists()

@@ -25,7 +25,7 @@ from ..decoding.generator import Generation, SharedState
 from ..decoding.stopping import StopChecker
 from ..decoding.text import TextCodec
 from ..engine.meta import resolve_engine_dir
-from ..workers.waiting import WaitingFlag
+from ..workers.waiting import WaitingFlag, remove_stale
 from .bls_client import BLSClient
 from . import errors
 from .metrics import Metrics
@@ -52,6 +52,7 @@ class OrchestratorModel:
                 json.dumps({"t": round(time.time(), 3), **ev}) + "\n")
         # concurrent sequences reach the engines together (see decoding/coalescer.py); 0 disables
         bls = BLSClient()
+        remove_stale()  # flags of servers killed before they could unlink theirs
         self.waiting = WaitingFlag.for_target(bls.models["target"])
         self.client = CoalescingClient(bls, expected=lambda: self.shared.active,
                                        max_window=cfg.coalesce_window_ms / 1000, waiting=self.waiting) \

@@ -21,12 +21,37 @@ import tempfile
 from pathlib import Path
 
 
+def _folder() -> Path:
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
 def flag_path(target_model: str) -> Path:
     """The flag's file for ``target_model`` of this server: the same in the orchestrator's stub and
     the target's, which Triton starts as children of one tritonserver process."""
-    shm = Path("/dev/shm")
-    folder = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-    return folder / f"ssd-{os.getppid()}-{target_model}.waiting"
+    return _folder() / f"ssd-{os.getppid()}-{target_model}.waiting"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_stale(folder: Path | None = None) -> list[Path]:
+    """Removes the flag files of servers that are gone (a killed server never unloads its
+    orchestrator, which unlinks its own); returns them."""
+    gone = []
+    for f in (folder or _folder()).glob("ssd-*-*.waiting"):
+        pid = f.name.split("-")[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            f.unlink(missing_ok=True)
+            gone.append(f)
+    return gone
 
 
 class WaitingFlag:
