@@ -79,3 +79,43 @@ def test_a_prompt_prefilled_wide_is_owed_from_the_prefill_on(engines, codec):
     assert g.stats.prefill_threads == 2
     assert reported[0] == len(ids) + 1  # during the prefill
     assert policy.seen[:3] == [len(ids) + 1, len(ids) + 2, len(ids) + 3]
+
+
+def test_a_split_prefill_owes_the_prompt_until_the_drafter_has_it(engines, codec):
+    """On the split layout the drafter prefills the prompt beside the target, but until that
+    prefill returns (it may be queued behind other requests' in the drafter process) the prompt is
+    owed: a drafting round decided meanwhile would wait for it. Once it has returned, the first
+    round owes only the first token."""
+    from ssd.algorithm.rounds import Choice
+    from ssd.algorithm.scheduler import Decision, Scheduler
+    from ssd.decoding.generator import DecodeConfig, SharedState
+
+    class Watching(Scheduler):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def running(self, allowed=()):
+            return Choice.AR  # split
+
+        def choose(self, batch, k, budget, allowed=(), seq=None, adaptive_k=False, owed_rows=0, tokens_left=0.0):
+            self.seen.append(owed_rows)
+            return Decision(Choice.AR, "forced")
+
+    shared = SharedState(policy=Watching())
+    ids = codec.encode_prompt(PROMPTS[0])
+    inner = local_client(engines, "strong")
+    reported = []
+
+    class Spy:
+        async def verify(self, call):
+            reported.append(shared.catch_up()[0])
+            return await inner.verify(call)
+
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+    out, g = asyncio.run(generate(Spy(), ids, DecodeConfig(mode="ssd", k=4), n=4, seq="split", shared=shared))
+    assert g.stats.prefill_threads == 0
+    assert reported[0] == len(ids) + 1  # during the prefill: the drafter does not have it yet
+    assert shared.policy.seen[0] == 1  # the first round: the drafter holds the prompt

@@ -292,9 +292,9 @@ class Generation:
         threads would contend for them, prefills at its first draft. The layout changes the
         time, not the bits: an exact target computes wide only where its rows keep their bits."""
         self.threads = self.stats.prefill_threads = self._threads(self.shared.policy.running(self._allowed()))
-        if not self.threads:  # the drafter takes the prompt beside the target (undone if it fails)
-            self.drafter_len = len(self.prompt)
-        # reported now: the batch's next decision may come before this request's first round
+        # reported now: the batch's next decision may come before this request's first round. The
+        # prompt is owed until the drafter has it: a split prefill's drafter half may still be queued
+        # in the drafter process, and a drafting round would wait behind it
         self._report_backlog(len(self.prompt) + 1)
         first = self.c.verify(self._verify(self.prompt, []))
         if self.threads:
@@ -313,7 +313,8 @@ class Generation:
         try:
             await self.c.draft(DraftCall(self.seq_id, self.prompt, 0, self.params, self.seed, 0))
         except Exception:  # noqa: BLE001
-            self.drafter_len = 0
+            return
+        self.drafter_len = len(self.prompt)
 
     def _degrade(self, what: str, err: Exception) -> None:
         """A drafter failure costs speed, never correctness: drafts come from the n-gram backup
