@@ -42,53 +42,15 @@ def test_a_request_reports_what_its_drafter_lacks_and_its_tokens_left(engines, c
     assert shared.backlog == {} and shared.catch_up() == (0, 0.0)
 
 
-def test_a_prompt_prefilled_wide_is_owed_from_the_prefill_on(engines, codec):
-    """On a wide layout the drafter does not take the prompt: the request owes it, and says so as
-    its prefill starts (a batch's next decision may come before its first round)."""
+def _owed_while_running(engines, codec, prompt: str, layout: str, n: int):
+    """Decodes ``prompt`` with the batch running ``layout`` (forced every round) and returns the
+    generation, the drafter backlog reported at each target call (the first one: during the
+    prefill) and the backlog each of the scheduler's decisions saw."""
     from ssd.algorithm.rounds import Choice
     from ssd.algorithm.scheduler import Decision, Scheduler
     from ssd.decoding.generator import DecodeConfig, SharedState
 
-    class Watching(Scheduler):
-        def __init__(self, shared):
-            super().__init__()
-            self.current, self.shared, self.seen = Choice.AR_WIDE, shared, []
-
-        def running(self, allowed=()):
-            return self.current
-
-        def choose(self, batch, k, budget, allowed=(), seq=None, adaptive_k=False, owed_rows=0, tokens_left=0.0):
-            self.seen.append(owed_rows)
-            return Decision(Choice.AR_WIDE, "forced")
-
-    shared = SharedState(wide_threads=2)
-    shared.policy = policy = Watching(shared)
-    ids = codec.encode_prompt(PROMPTS[2])
-    reported = []
-    inner = local_client(engines, "strong")
-
-    class Spy:
-        async def verify(self, call):
-            reported.append(shared.catch_up()[0])
-            return await inner.verify(call)
-
-        def __getattr__(self, name):
-            return getattr(inner, name)
-
-    out, g = asyncio.run(generate(Spy(), ids, DecodeConfig(mode="ssd", k=4), n=6, seq="wide", shared=shared))
-    assert g.stats.prefill_threads == 2
-    assert reported[0] == len(ids) + 1  # during the prefill
-    assert policy.seen[:3] == [len(ids) + 1, len(ids) + 2, len(ids) + 3]
-
-
-def test_a_split_prefill_owes_the_prompt_until_the_drafter_has_it(engines, codec):
-    """On the split layout the drafter prefills the prompt beside the target, but until that
-    prefill returns (it may be queued behind other requests' in the drafter process) the prompt is
-    owed: a drafting round decided meanwhile would wait for it. Once it has returned, the first
-    round owes only the first token."""
-    from ssd.algorithm.rounds import Choice
-    from ssd.algorithm.scheduler import Decision, Scheduler
-    from ssd.decoding.generator import DecodeConfig, SharedState
+    choice = Choice(layout)
 
     class Watching(Scheduler):
         def __init__(self):
@@ -96,14 +58,13 @@ def test_a_split_prefill_owes_the_prompt_until_the_drafter_has_it(engines, codec
             self.seen = []
 
         def running(self, allowed=()):
-            return Choice.AR  # split
+            return choice
 
         def choose(self, batch, k, budget, allowed=(), seq=None, adaptive_k=False, owed_rows=0, tokens_left=0.0):
             self.seen.append(owed_rows)
-            return Decision(Choice.AR, "forced")
+            return Decision(choice, "forced")
 
-    shared = SharedState(policy=Watching())
-    ids = codec.encode_prompt(PROMPTS[0])
+    shared = SharedState(policy=Watching(), wide_threads=2 if choice.wide else 0)
     inner = local_client(engines, "strong")
     reported = []
 
@@ -115,7 +76,27 @@ def test_a_split_prefill_owes_the_prompt_until_the_drafter_has_it(engines, codec
         def __getattr__(self, name):
             return getattr(inner, name)
 
-    out, g = asyncio.run(generate(Spy(), ids, DecodeConfig(mode="ssd", k=4), n=4, seq="split", shared=shared))
+    _, g = asyncio.run(generate(Spy(), codec.encode_prompt(prompt), DecodeConfig(mode="ssd", k=4), n=n,
+                                seq=layout, shared=shared))
+    return g, reported, shared.policy.seen
+
+
+def test_a_prompt_prefilled_wide_is_owed_from_the_prefill_on(engines, codec):
+    """On a wide layout the drafter does not take the prompt: the request owes it, and says so as
+    its prefill starts (a batch's next decision may come before its first round)."""
+    g, reported, seen = _owed_while_running(engines, codec, PROMPTS[2], "ar@wide", n=6)
+    p = len(codec.encode_prompt(PROMPTS[2]))
+    assert g.stats.prefill_threads == 2
+    assert reported[0] == p + 1  # during the prefill
+    assert seen[:3] == [p + 1, p + 2, p + 3]
+
+
+def test_a_split_prefill_owes_the_prompt_until_the_drafter_has_it(engines, codec):
+    """On the split layout the drafter prefills the prompt beside the target, but until that
+    prefill returns (it may be queued behind other requests' in the drafter process) the prompt is
+    owed: a drafting round decided meanwhile would wait for it. Once it has returned, the first
+    round owes only the first token."""
+    g, reported, seen = _owed_while_running(engines, codec, PROMPTS[0], "ar", n=4)
     assert g.stats.prefill_threads == 0
-    assert reported[0] == len(ids) + 1  # during the prefill: the drafter does not have it yet
-    assert shared.policy.seen[0] == 1  # the first round: the drafter holds the prompt
+    assert reported[0] == len(codec.encode_prompt(PROMPTS[0])) + 1  # during the prefill: the drafter does not have it yet
+    assert seen[0] == 1  # the first round: the drafter holds the prompt
