@@ -10,7 +10,8 @@
 #   patches/*.patch applied to the vendored llama.cpp: the Q4_K GEMV adds its sums in the order of the
 #   4-row GEMM, and the Q6_K dot product in the order of the tiled kernels (8+ rows), so each pair of
 #   kernels gives a row the same bits; Q6_K products of 2-7 rows unpack each weight once for all the
-#   rows (AVX-512 builds), with the one-row kernel's bits.
+#   rows (AVX-512 builds), and Q4_K products take all of a forward's rows in one pass with VNNI
+#   (AVX-512 VNNI builds), each with the one-row kernel's bits.
 # The engine checks the result at load. Skipped when the installed build has these options and patches.
 set -euo pipefail
 
