@@ -55,7 +55,7 @@ from .prefix_store import PrefixStore
 
 GGUF_NAME = "model.gguf"
 N_BATCH = 512  # context rows per llama_decode: longer prefills run in chunks
-LOGIT_ROW_CHOICES = (16, 7, 3, 1)  # logit rows per llama_decode: 16 rows cost about 8 one-row steps; below
+LOGIT_ROW_CHOICES = (16, 7, 3, 1)  # logit rows per llama_decode: 16 rows cost 5-8 one-row steps; below
 # the tiled kernels (8); below an unpatched build's 4-row GEMM (4)
 ROW_PROBES = ((16, 7919), (23, 104729), (37, 15485863), (50, 32452843))  # (prefix length, token stride)
 DRAFT_HEADROOM = 64  # cells past max_len: a verify's draft rows may run past the longest sequence
