@@ -26,7 +26,7 @@ MODELS = {"target": "qwen2.5-coder-1.5b", "drafter": "qwen2.5-coder-0.5b"}
 RUNTIMES = ("torch", "torch-bf16", "openvino-bf16", "openvino-f32", "openvino-int8", "llamacpp")
 
 
-def _engine(runtime: str, folder: Path, role: str, threads: int, streams: int, max_len: int):
+def served_engine(runtime: str, folder: Path, role: str, threads: int, streams: int, max_len: int):
     if runtime == "llamacpp":
         from ssd.engine.llamacpp_engine import LlamaCppEngine
         return LlamaCppEngine(folder, threads=threads, exact=role == "target", max_sequences=streams, max_len=max_len)
@@ -51,7 +51,7 @@ def measure(runtime: str, folder: Path, role: str, threads: int, context: int, k
     from ssd.engine.engine import ExtendCall, TreeCall
 
     t0 = time.perf_counter()
-    eng = _engine(runtime, folder, role, threads, batch, context + k + tree + 8)
+    eng = served_engine(runtime, folder, role, threads, batch, context + k + tree + 8)
     load_s = time.perf_counter() - t0
     rss = _rss_gb()
     prompts = [[1000 + (37 * i + 11 * j) % 20000 for j in range(context)] for i in range(batch)]

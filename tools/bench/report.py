@@ -7,6 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ssd_tools import markdown_report as md
+from ssd_tools.bench import bound
 from ssd_tools.markdown_report import fmt as _fmt
 
 # (label, source, phase/mode filter)
@@ -330,6 +331,18 @@ def targets(raw: dict) -> str:
     return md.table(["target", "measured", "goal", "met"], out)
 
 
+def ceiling(raw: dict) -> str:
+    """What speculation can give at batch 1, from the bound phase's forwards and this run's acceptance
+    (SD's tokens a round) and hit rates (the budget sweep): bound.py."""
+    costs, sd = raw.get("bound"), greedy_rows(raw, "split", "sd")
+    if not costs or not sd:
+        return "(needs the bound phase and the split phase's SD rows)"
+    a = bound.alpha_from(mean(r["acceptance_length"] for r in sd), sd[0].get("num_draft_tokens") or 4)
+    fit = budget_fit(raw)
+    ar2_over_llama = paired_ratio(greedy_rows(raw, "shared2", "ar"), greedy_rows(raw, "llamacpp", "ar"))
+    return bound.report(costs, a, dict(zip(fit[0], fit[1])) if fit else None, ar2_over_llama)
+
+
 def sampled_table(raw: dict) -> str:
     out = []
     for m in ("ar", "sd", "ssd"):
@@ -360,6 +373,7 @@ def write(raw: dict, out: Path) -> str:
     sections += [(f"{ds} (greedy)", table(raw, ds)) for ds in meta["datasets"]]
     sections += [("Against llama.cpp's llama-server (ours / theirs, decode tok/s, same prompts and GGUF files)",
                   against_llamacpp(raw)),
+                 ("The ceiling at batch 1, from this run's forwards (tools/bench/bound.py)", ceiling(raw)),
                  ("Temperature 0.7 (served, 1+1 cores)", sampled_table(raw)),
                  ("Correctness pass (greedy, token ids vs served AR)", correctness(raw)), (None, "\n" + CORRECTNESS_NOTE)]
     sw, chosen = sweeps(raw)

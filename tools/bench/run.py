@@ -10,6 +10,8 @@ Phases (each prints progress and an ETA):
   peer      transformers assisted generation on the same pair, prompts and 2 cores (tools/bench/peer.py)
   llamacpp  llama.cpp's llama-server on the pair's GGUF files, same prompts and 2 cores: AR and its
             speculative decoding (tools/bench/llamacpp.py; builds llama-server once, cached in build/)
+  bound     the engines' forwards at 1 and 2 threads, in-process: with the run's acceptance and hit
+            rates, the most each choice can make at batch 1 (tools/bench/bound.py)
 What each phase runs (presets, sweeps, jobs) is planned in plan.py; the servers, their warm-up
 and memory come from ssd_tools.runner, shared with the load tests.
 Outputs in --out (default results/bench/): raw.json, report.md (tables per dataset and overall,
@@ -27,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ssd_tools.bench import llamacpp, report
+from ssd_tools.bench import bound, llamacpp, report
 from ssd_tools.bench.plan import (PIN, PRESETS, WARM_TOKENS, first_prompts, held_out_prompt, job_key, job_mode,
                                   plan_split, prompt_rows, set_server_defaults, sweep_defaults)
 from ssd_tools.runner import PeakMemory, config_pair, generate, start_pair
@@ -164,7 +166,7 @@ def run_subprocess(script: str, args: list[str], out: Path, n: int, prog: Progre
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=PRESETS, default="full")
-    ap.add_argument("--phases", default="split,shared2,inproc,peer,llamacpp")
+    ap.add_argument("--phases", default="split,shared2,inproc,peer,llamacpp,bound")
     ap.add_argument("--config", type=Path, default=REPO / "engines/default.yaml")
     ap.add_argument("--engine-root", type=Path, default=REPO / "engines")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "bench")
@@ -193,7 +195,7 @@ def main() -> None:
     n_split = len({job_key(t, b, pr.max_tokens) for t, b in split_jobs})
     total = (n_split * ("split" in phases) + len(shared_jobs) * ("shared2" in phases)
              + 3 * len(inproc) * ("inproc" in phases) + n_peer * ("peer" in phases)
-             + 2 * len(two_t) * ("llamacpp" in phases))
+             + 2 * len(two_t) * ("llamacpp" in phases) + ("bound" in phases))
     prog = Progress(total)
     print(f"[bench] preset {a.preset}: {total} generations in phases {phases}", flush=True)
     t0 = time.time()
@@ -239,6 +241,9 @@ def main() -> None:
             a.config, a.engine_root, json.loads(ids_file.read_text()), pr.max_tokens, codec.encode_prompt(warm_text),
             a.out, on_row=lambda r: prog.step(f"llama.cpp {r['dataset']} #{r['prompt']} {r['mode']}: "
                                               f"{r['decode_tokens_per_s']:.2f} tok/s"))
+    if "bound" in phases:
+        raw["bound"] = bound.measure(a.engine_root, pair.target, pair.drafter)
+        prog.step("bound: the engines' forwards at 1 and 2 threads")
     raw["meta"] = {"preset": a.preset, "wall_s": round(time.time() - t0, 1), "max_tokens": pr.max_tokens,
                    "datasets": datasets, "per_dataset": pr.per_dataset, "peak_rss_gb": PEAK_RSS,
                    "sweep_defaults": sweep_defaults(pr)}
