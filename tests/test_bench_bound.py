@@ -52,10 +52,10 @@ def test_speculation_is_priced_by_its_own_forwards():
     assert r["AR@wide"] == pytest.approx(1000 / 20)
     assert r["SD@wide"] == pytest.approx(e / ((2 * 5 + 30) / 1000))
     assert r["SD (1+1)"] == pytest.approx(e / ((2 * 10 + 60) / 1000))
-    # the speculation (glue of 3 rows, two one-branch steps: 14 + 20 ms) hides under the 60 ms verify
+    # the speculation (a one-row glue pass, two one-branch steps: 10 + 20 ms) hides under the 60 ms verify
     assert r["SSD (1+1), all hits, B=1"] == pytest.approx(e / 0.060)
-    # five branches: 14 + 2 x 30 = 74 ms outlasts the verify; a quarter of the rounds wait 2 x 10 ms more
-    assert r["SSD (1+1), p_hit 0.75, B=5"] == pytest.approx(e / ((74 + 0.25 * 20) / 1000))
+    # five branches: 10 + 2 x 30 = 70 ms outlasts the verify; a quarter of the rounds wait 2 x 10 ms more
+    assert r["SSD (1+1), p_hit 0.75, B=5"] == pytest.approx(e / ((70 + 0.25 * 20) / 1000))
     top = bound.ceiling(c, 0.8, {5: 0.75})
     best_sd = max(bound.rates(bound.with_int_keys(c), 0.8, k)["SD (1+1)"] for k in range(1, 5))
     best_ssd = max(bound.rates(bound.with_int_keys(c), 0.8, k)["SSD (1+1), all hits, B=1"] for k in range(1, 5))

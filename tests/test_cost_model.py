@@ -2,6 +2,7 @@
 source, the tree budget, acceptance at any K and each choice's K (engine-free)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ssd.algorithm.cost_model import CostModel, StepCost
@@ -176,3 +177,22 @@ def test_a_wide_curve_keeps_the_split_curves_shape_where_unmeasured():
     assert r[Choice.AR_WIDE] > r[Choice.SD_WIDE]  # the flat guess would have priced SD's verify at 28 ms
     unmeasured = StepCost()
     assert unmeasured.along(model.target) is model.target
+
+
+def test_ssd_glue_pass_prices_only_rows_the_drafter_has_not_run():
+    """The drafter ran every draft token's row but the last while drafting it (a cached branch, the
+    neural backup's draft), so SSD's glue pass is one row a sequence; after an n-gram draft (the
+    fast backup's misses) it is K + 1."""
+    model = CostModel()
+    for rows, s in ((1, 0.010), (16, 0.160)):  # the drafter computes: 10 ms a row
+        model.drafter.observe(rows, s)
+        model.target.observe(rows, 0.1)  # a flat verify: 100 ms
+    k, budget, e = 4, 8, model.accept["neural"].tokens(4)
+    tree = k * model.drafter(budget)  # 4 steps of 8 rows: 320 ms
+    r = model.rates(1, k, budget)
+    p = model.hit_share("neural")
+    assert r[Choice.SSD_NEURAL] == pytest.approx(e / (0.010 + tree + (1 - p) * k * 0.010))
+    p = model.hit_share("fast")
+    glue = model.drafter(1 + (1 - p) * k)
+    tokens = p * e + (1 - p) * model.accept["fast"].tokens(k)
+    assert r[Choice.SSD_FAST] == pytest.approx(tokens / (glue + tree + (1 - p) * model.t_fast.value))

@@ -3,16 +3,18 @@
 The `bound` phase times the served engines' forwards (`measure`: the default's exact target on
 llama.cpp and int8 drafter on torch, each at 1 and 2 threads, each in a process of its own, after a
 256-token context): the target's forwards of 1 to K + 1 rows (a decode step, a verify), the
-drafter's one-row step, its glue pass of K + 1 rows and its tree steps of B branch rows. With the
-acceptance this run measured (SD's tokens a round, `alpha_from`), the cost model's formulas
-(ssd/algorithm/cost_model.py) give each choice's tokens/s at batch 1 with nothing else counted (no
-Python, no IPC, no sampling, the drafter's catch-up free):
+drafter's one-row step (and its forwards of up to K + 1 rows, for the table) and its tree steps of
+B branch rows. With the acceptance this run measured (SD's tokens a round, `alpha_from`), the cost
+model's formulas (ssd/algorithm/cost_model.py) give each choice's tokens/s at batch 1 with nothing
+else counted (no Python, no IPC, no sampling, the drafter's catch-up free):
 
     AR@wide        1 / T2(1)
     SD@wide        E(K) / (K D2(1) + T2(K + 1))
     SD (1+1)       E(K) / (K D1(1) + T1(K + 1))
-    SSD (1+1)      E(K) / max(T1(K + 1), D1(K + 1) + K D1tree(B))     every round a hit, B = 1
+    SSD (1+1)      E(K) / max(T1(K + 1), D1(1) + K D1tree(B))         every round a hit, B = 1
                    the same + (1 - p) K D1(1) in the denominator       hit rate p measured at B
+
+(SSD's glue pass is one row a round: the drafter ran the draft's other rows while drafting it.)
 
 T: the target's forward, D: the drafter's, by rows, at 1 or 2 threads; E(K) = 1 + a + ... + a^K.
 The first four are upper bounds on what each choice serves at batch 1 (SSD's with one branch hitting
@@ -122,11 +124,11 @@ def rates(costs: dict, a: float, k: int, p_hit: dict | None = None) -> dict[str,
     out = {"AR@wide": 1 / ms("target", 2, "rows", 1),
            "SD@wide": e / (k * ms("drafter", 2, "rows", 1) + ms("target", 2, "rows", k + 1)),
            "SD (1+1)": e / (k * ms("drafter", 1, "rows", 1) + ms("target", 1, "rows", k + 1))}
-    spec = ms("drafter", 1, "rows", k + 1) + k * ms("drafter", 1, "tree", 1)
+    spec = ms("drafter", 1, "rows", 1) + k * ms("drafter", 1, "tree", 1)
     out["SSD (1+1), all hits, B=1"] = e / max(ms("target", 1, "rows", k + 1), spec)
     for b, p in sorted((p_hit or {}).items()):
         if b in costs["drafter"][1]["tree"]:
-            spec = ms("drafter", 1, "rows", k + 1) + k * ms("drafter", 1, "tree", b)
+            spec = ms("drafter", 1, "rows", 1) + k * ms("drafter", 1, "tree", b)
             miss = (1 - p) * k * ms("drafter", 1, "rows", 1)
             out[f"SSD (1+1), p_hit {p:.2f}, B={b}"] = e / (max(ms("target", 1, "rows", k + 1), spec) + miss)
     return out

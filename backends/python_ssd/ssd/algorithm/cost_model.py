@@ -8,7 +8,10 @@ With K draft tokens, B speculation branches per sequence and b sequences decodin
               forward of that size was not measured, the split curve's shape (no gain assumed
               until measured: the bandit tries them)
     SSD(kind) [p E_hit(K) + (1-p) E_miss(K)] / (max(T_v, T_s) + (1 - p^b) T_backup(kind))
-              T_v = T_t(b(K+1)),  T_s = T_d(b(K+1)) + K T_d(bB)   (verify and speculation overlap)
+              T_v = T_t(b(K+1)),  T_s = T_d(b g) + K T_d(bB)   (verify and speculation overlap)
+              g: the glue pass's rows a sequence, 1 where the drafter ran the draft's other rows
+              already (a cached branch, the neural backup's draft; workers/drafter.py), K + 1
+              after an n-gram draft: 1 for the neural backup, 1 + (1-p) K for the fast one
 
 T_t, T_d: each engine's forward seconds by rows (StepCost). E(K) = 1 + a + ... + a^K from the
 per-position acceptance a of each draft source (cache, neural, fast). p: the share of rounds that
@@ -109,7 +112,6 @@ class CostModel:
             return {c: 0.0 for c in Choice}
         b, T_t, T_d = max(batch, 1), self.target, self.drafter
         t_v = T_t(b * (k + 1))
-        t_s = T_d(b * (k + 1)) + k * T_d(b * budget)
         e_sd = self.accept["neural"].tokens(k)
         e_hit = self.accept["cache"].tokens(k) if self.accept["cache"].count else e_sd
         out = {Choice.AR: 1 / T_t(b), Choice.SD: e_sd / (k * T_d(b) + t_v)}
@@ -118,6 +120,8 @@ class CostModel:
         out[Choice.SD_WIDE] = e_sd / (k * W_d(b) + W_t(b * (k + 1)))
         for c in (Choice.SSD_NEURAL, Choice.SSD_FAST):
             p = self.hit_share(c.backup)
+            glue = 1.0 if c.backup == "neural" else 1.0 + (1 - p) * k
+            t_s = T_d(b * glue) + k * T_d(b * budget)
             tokens = p * e_hit + (1 - p) * self.accept[c.backup].tokens(k)
             out[c] = tokens / (max(t_v, t_s) + (1 - p ** b) * self.backup_seconds(c.backup, b, k))
         return out
