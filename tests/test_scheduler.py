@@ -133,13 +133,13 @@ def test_one_decision_per_round_of_the_batch():
 
 
 def test_a_choice_far_below_the_best_is_never_tried():
-    """At 16 users SSD's tree costs several verifies: its prior is far below AR's and SD's, so the
+    """At 24 users SSD's tree costs several verifies: its prior is far below AR's and SD's, so the
     batch rarely pays for an SSD round (each costs about half a round)."""
     s = measured_scheduler()
-    prior = s.model.rates(16, 4, 8)
+    prior = s.model.rates(24, 4, 8)
     true = {c: prior[c] for c in Choice}
     assert max(prior[SSD_N], prior[SSD_F]) < 0.6 * max(prior[SD], prior[AR])
-    seen = run_batch(s, true, batch=16, rounds=300)
+    seen = run_batch(s, true, batch=24, rounds=300)
     assert sum(d.choice.mode == "ssd" for d in seen) <= 0.03 * len(seen)
 
 
