@@ -8,6 +8,7 @@ import math
 import pytest
 from conftest import TARGET, WEAK
 
+from ssd.algorithm.estimators import Acceptance
 from ssd_tools.bench import bound
 
 
@@ -18,10 +19,14 @@ def _costs(t1: dict, t2: dict, d1: dict, d2: dict, trees: dict) -> dict:
     return json.loads(json.dumps(figs))
 
 
+def _tokens(a: float, k: int) -> float:
+    return Acceptance(a).tokens(k)
+
+
 def test_acceptance_is_recovered_from_the_tokens_a_round():
     for a, k in ((0.0, 4), (0.5, 1), (0.786, 4), (0.95, 3)):
-        assert bound.alpha_from(bound.tokens(a, k), k) == pytest.approx(a, abs=1e-9)
-    assert bound.tokens(0.5, 2) == pytest.approx(1.75)
+        assert bound.alpha_from(_tokens(a, k), k) == pytest.approx(a, abs=1e-9)
+    assert _tokens(0.5, 2) == pytest.approx(1.75)
 
 
 def test_free_drafts_and_a_flat_verify_give_each_choice_its_tokens_a_round():
@@ -31,13 +36,13 @@ def test_free_drafts_and_a_flat_verify_give_each_choice_its_tokens_a_round():
     a = 0.5
     for k in range(1, 5):
         r = bound.rates(c, a, k, {12: 0.9})
-        e = bound.tokens(a, k)
+        e = _tokens(a, k)
         assert r["AR@wide"] == pytest.approx(50.0)
         assert r["SD@wide"] == pytest.approx(e * 50.0) and r["SD (1+1)"] == pytest.approx(e * 50.0)
         assert r["SSD (1+1), all hits, B=1"] == pytest.approx(e * 50.0)
         assert r["SSD (1+1), p_hit 0.90, B=12"] == pytest.approx(e * 50.0)  # free misses cost nothing
     top = bound.ceiling(c, a)
-    assert top["best_over_ar_wide"] == pytest.approx(bound.tokens(a, 4))  # the longest K wins
+    assert top["best_over_ar_wide"] == pytest.approx(_tokens(a, 4))  # the longest K wins
     assert top["ssd_over_sd"] == pytest.approx(1.0)
 
 

@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+from ssd.algorithm.estimators import Acceptance
 from ssd_tools.bench.plan import SWEEPS_FULL
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,9 +42,8 @@ TREES = (1, *(v["fanout_budget"] for v in SWEEPS_FULL["budget"]))
 def measure_one(role: str, folder: Path, threads: int, reps: int = 9) -> dict:
     """Median ms of each forward the bound needs, for one engine at one thread count (this process)."""
     from ssd.engine.engine import ExtendCall, TreeCall
-    from ssd_tools.bench.engine_rows import served_engine
-
     from ssd.engine.meta import engine_meta
+    from ssd_tools.bench.engine_rows import round_robin_ms, served_engine
 
     # as served: the folder's runtime (the default target's is llama.cpp), torch otherwise
     runtime = "llamacpp" if engine_meta(folder).get("runtime") == "llamacpp" else "torch"
@@ -59,17 +57,9 @@ def measure_one(role: str, folder: Path, threads: int, reps: int = 9) -> dict:
     if role == "drafter":
         forwards.update({("tree", b): (lambda b=b: eng.tree([TreeCall("s", [300 + j for j in range(b)], [CONTEXT] * b,
                                                                       [CONTEXT] * b, [-1] * b)])) for b in TREES})
-    times: dict = {key: [] for key in forwards}
-    for rep in range(reps + 1):  # round robin, so a drift of the machine's speed hits every forward alike
-        for key, fn in forwards.items():
-            t = time.perf_counter()
-            fn()
-            if rep:  # the first round warms up
-                times[key].append(time.perf_counter() - t)
-            eng.truncate("s", CONTEXT)
-    med = {key: round(1000 * statistics.median(v), 2) for key, v in times.items()}
-    rows = {n: v for (kind, n), v in med.items() if kind == "rows"}
-    trees = {b: v for (kind, b), v in med.items() if kind == "tree"}
+    med = round_robin_ms(forwards, reps, reset=lambda: eng.truncate("s", CONTEXT))
+    rows = {n: round(v, 2) for (kind, n), v in med.items() if kind == "rows"}
+    trees = {b: round(v, 2) for (kind, b), v in med.items() if kind == "tree"}
     return {"role": role, "threads": threads, "rows": rows, "tree": trees}
 
 
@@ -99,17 +89,12 @@ def with_int_keys(costs: dict) -> dict:
             for role, by_t in costs.items()}
 
 
-def tokens(a: float, k: int) -> float:
-    """E(K) = 1 + a + ... + a^K: tokens a round yields with per-position acceptance a."""
-    return sum(a ** i for i in range(k + 1))
-
-
 def alpha_from(tokens_per_round: float, k: int) -> float:
     """The per-position acceptance whose E(K) is ``tokens_per_round`` (bisection; E grows with a)."""
     lo, hi = 0.0, 1.0
     for _ in range(60):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if tokens(mid, k) < tokens_per_round else (lo, mid)
+        lo, hi = (mid, hi) if Acceptance(mid).tokens(k) < tokens_per_round else (lo, mid)
     return (lo + hi) / 2
 
 
@@ -120,7 +105,7 @@ def rates(costs: dict, a: float, k: int, p_hit: dict | None = None) -> dict[str,
     def ms(role: str, threads: int, kind: str, n: int) -> float:
         return costs[role][threads][kind][n] / 1000
 
-    e = tokens(a, k)
+    e = Acceptance(a).tokens(k)
     out = {"AR@wide": 1 / ms("target", 2, "rows", 1),
            "SD@wide": e / (k * ms("drafter", 2, "rows", 1) + ms("target", 2, "rows", k + 1)),
            "SD (1+1)": e / (k * ms("drafter", 1, "rows", 1) + ms("target", 1, "rows", k + 1))}

@@ -42,6 +42,22 @@ def served_engine(runtime: str, folder: Path, role: str, threads: int, streams: 
     return OpenVinoEngine(folder, weights=runtime.split("-")[1], threads=threads, exact=role == "target")
 
 
+def round_robin_ms(forwards: dict, reps: int, reset=None) -> dict:
+    """Median ms of each of ``forwards`` (key -> callable) over ``reps`` rounds that run every
+    forward once in turn, so a drift of the machine's speed hits them alike; a first round warms
+    up. ``reset`` runs after each forward (a rollback to the shared prefix)."""
+    times: dict = {key: [] for key in forwards}
+    for rep in range(reps + 1):
+        for key, fn in forwards.items():
+            t = time.perf_counter()
+            fn()
+            if rep:
+                times[key].append(time.perf_counter() - t)
+            if reset:
+                reset()
+    return {key: 1000 * statistics.median(v) for key, v in times.items()}
+
+
 def _rss_gb() -> float:
     return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 1e9
 

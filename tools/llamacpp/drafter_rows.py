@@ -13,8 +13,8 @@ via `llama-quantize --allow-requantize`, built from the same llama.cpp source).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+
+from ssd_tools.bench.engine_rows import round_robin_ms
 
 CONTEXT = 256
 
@@ -59,17 +59,11 @@ def measure(path: str, threads: int, k: int, trees: list[int], reps: int) -> dic
 
     forwards = {"1 row": lambda: rows(1), f"{k + 1} rows (glue)": lambda: rows(k + 1)}
     forwards.update({f"tree step, {b} rows": (lambda b=b: tree(b)) for b in trees})
-    times: dict[str, list[float]] = {name: [] for name in forwards}
-    for rep in range(reps + 1):  # round robin: a drift of the machine's speed hits every forward alike
-        for name, fn in forwards.items():
-            t = time.perf_counter()
-            fn()
-            if rep:
-                times[name].append(time.perf_counter() - t)
+    ms = round_robin_ms(forwards, reps)
     L.llama_batch_free(batch)
     L.llama_free(ctx)
     L.llama_model_free(model)
-    return {name: round(1000 * statistics.median(v), 1) for name, v in times.items()}
+    return {name: round(v, 1) for name, v in ms.items()}
 
 
 def main() -> None:
