@@ -4,21 +4,26 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test venv engines bench bench-quick loadtest aiperf soak clean llama-server
+.PHONY: serve test venv venv-dev engines bench bench-quick loadtest aiperf soak clean llama-server
 
-# The pinned stack, llama-cpp-python built from source for the llama.cpp target engine (about 3
-# minutes; tools/llamacpp/install_llama_cpp_python.sh says why), then this repository's packages
-# (ssd, ssd_tools, ssd_loadtest, ssd_openai; see pyproject.toml) installed editable, so every script
-# and test imports them by name.
-$(STAMP): requirements.txt pyproject.toml tools/llamacpp/install_llama_cpp_python.sh $(wildcard tools/llamacpp/patches/*.patch)
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip==24.3.1
-	$(PY) -m pip install -q -r requirements.txt
-	PYTHON=$(PY) bash tools/llamacpp/install_llama_cpp_python.sh
-	$(PY) -m pip install -q --no-deps -e .
+# The pinned serving stack (requirements.txt) and llama-cpp-python, patched and built from source
+# once per user and CPU (tools/llamacpp/install_llama_cpp_python.sh keeps the wheel in ~/.cache/ssd),
+# side by side (tools/setup_venv.sh), then this repository's packages (ssd, ssd_tools, ssd_loadtest,
+# ssd_openai; see pyproject.toml) installed editable, so every script and test imports them by name.
+# `make serve` also fetches and builds the engines while llama.cpp compiles; tests, benches and load
+# tests add requirements-dev.txt.
+SETUP_ARGS ?=
+$(STAMP): requirements.txt pyproject.toml tools/setup_venv.sh tools/llamacpp/install_llama_cpp_python.sh $(wildcard tools/llamacpp/patches/*.patch)
+	PYTHON=$(PYTHON) VENV=$(VENV) bash tools/setup_venv.sh $(SETUP_ARGS)
 	@touch $(STAMP)
 
+DEV_STAMP := $(VENV)/.installed-dev
+$(DEV_STAMP): $(STAMP) requirements-dev.txt
+	$(PY) -m pip install -q -r requirements-dev.txt
+	@touch $(DEV_STAMP)
+
 venv: $(STAMP)
+venv-dev: $(DEV_STAMP)
 
 # ENGINES: an engines/*.yaml profile (default: the embedded Qwen pair), e.g. make serve ENGINES=engines/my.yaml
 ENGINES ?= engines/default.yaml
@@ -27,17 +32,19 @@ engines: $(STAMP)
 	PYTHON=$(PY) bash build_engines.sh --config $(ENGINES)
 
 # Triton on :8000 (HTTP) / :8001 (gRPC) and the OpenAI-compatible frontend on 127.0.0.1:9000
+serve: SETUP_ARGS = --engines $(ENGINES)
 serve: engines
 	$(PY) tools/serve.py --config $(ENGINES)
 
-test: $(STAMP)
+test: SETUP_ARGS = --dev
+test: $(DEV_STAMP)
 	$(PY) -m pytest -v -p no:cacheprovider tests
 
 # AR / SD / SSD served and in-process, the transformers peer, sweeps, plots (results/bench/report.md).
-bench-quick: engines
+bench-quick: engines $(DEV_STAMP)
 	$(PY) tools/bench/run.py --preset quick
 
-bench: engines
+bench: engines $(DEV_STAMP)
 	$(PY) tools/bench/run.py --preset full
 
 # llama.cpp's llama-server (the bench's llama.cpp peer), built from the pinned llama-cpp-python sdist
@@ -50,7 +57,8 @@ clean:
 
 # Locust sweep (concurrency x mode) against a server started here or --url; see README "Load tests".
 LOADTEST_ARGS ?=
-loadtest: $(STAMP)
+loadtest: SETUP_ARGS = --dev
+test: $(DEV_STAMP)
 	$(PY) loadtest/sweep.py $(LOADTEST_ARGS)
 
 # NVIDIA AIPerf against the OpenAI endpoint of a running `make serve` (small scale; see loadtest/aiperf_run.py).
@@ -62,11 +70,11 @@ $(AIPERF_VENV)/.installed: loadtest/aiperf-requirements.txt
 	$(AIPERF_VENV)/bin/python -m pip install -q -r loadtest/aiperf-requirements.txt
 	@touch $@
 
-aiperf: $(STAMP) $(AIPERF_VENV)/.installed
+aiperf: $(DEV_STAMP) $(AIPERF_VENV)/.installed
 	$(PY) loadtest/aiperf_run.py --tokenizer engines/$$($(PY) -c "import yaml; c = yaml.safe_load(open('$(ENGINES)')); print(next(n for n, e in c['engines'].items() if e['role'] == 'target'))") $(AIPERF_ARGS)
 
 # Mixed traffic for SOAK_ARGS (default 10 minutes at 16 users on the default pair; --tiny: the CI
 # engines): requests by outcome, failures, memory of every process start/end, leaked sequences.
 SOAK_ARGS ?=
-soak: engines
+soak: engines $(DEV_STAMP)
 	$(PY) loadtest/soak.py $(SOAK_ARGS)
