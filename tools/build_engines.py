@@ -23,16 +23,20 @@ from pathlib import Path
 import yaml
 
 from ssd.engine.meta import gguf_tensor_types
-from ssd_tools.convert_gguf import convert
+from ssd_tools.convert_gguf import convert, describe
 from ssd_tools.fetch_weights import ChecksumError, fetch
 from ssd_tools.local_checkpoints import CheckpointError, check_same_tokenizer, check_source, convert_hf_dir, fingerprint
 
 
-def engine_is_current(folder: Path, sha: str, dtype: str, keep_layers: int) -> bool:
+def engine_is_current(folder: Path, sha: str, dtype: str, keep_layers: int, gguf_only: bool = False) -> bool:
+    """Whether ``folder`` holds this build already: the same source, dtype and layers, and the
+    converted weights unless the engine runs the GGUF itself (``gguf_only``, a llama.cpp engine)."""
     meta = folder / "engine.json"
-    if not (meta.exists() and (folder / "model.safetensors").exists()):
+    if not meta.exists():
         return False
     m = json.loads(meta.read_text())
+    if not gguf_only and not (folder / "model.safetensors").exists():
+        return False
     return m.get("source_sha256") == sha and m.get("dtype") == dtype and m.get("keep_layers", 0) == keep_layers
 
 
@@ -73,7 +77,10 @@ def record_runtime(folder: Path, spec: dict) -> None:
         meta_path.write_text(json.dumps(meta, indent=2))
 
 
-def build(config: Path, out_root: Path, cache: Path, dtype_override: str | None = None) -> list[Path]:
+def build(config: Path, out_root: Path, cache: Path, dtype_override: str | None = None,
+          hf_weights: bool = False) -> list[Path]:
+    """Builds every engine of ``config`` into ``out_root``. A llama.cpp engine's folder gets no
+    converted weights (it runs the GGUF) unless ``hf_weights``: TensorRT-LLM builds from them."""
     cfg = yaml.safe_load(config.read_text())
     engines = cfg["engines"]
     local = {}  # engine name -> (path, kind): checked before anything is fetched or converted
@@ -96,10 +103,14 @@ def build(config: Path, out_root: Path, cache: Path, dtype_override: str | None 
         source_id = fingerprint(local[name][0]) if name in local else src["sha256"]
         is_hf = name in local and local[name][1] == "hf"
         gguf = None if is_hf else local[name][0] if name in local else None
-        if engine_is_current(folder, source_id, dtype, keep):
+        gguf_only = spec.get("runtime") == "llamacpp" and not is_hf and not hf_weights
+        if engine_is_current(folder, source_id, dtype, keep, gguf_only):
             print(f"[build] {folder} is up to date, nothing to do", flush=True)
         elif is_hf:
             convert_hf_dir(local[name][0], folder, dtype, spec["role"], source_id)
+        elif gguf_only:
+            gguf = gguf or fetch(src, cache)
+            describe(gguf, folder, dtype, spec["role"], source_id)
         else:
             gguf = gguf or fetch(src, cache)
             convert(gguf, folder, dtype, spec["role"], source_id, keep)
@@ -119,10 +130,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("engines"))
     ap.add_argument("--cache", type=Path, default=Path("engines/.cache"))
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], help="override every engine's dtype")
+    ap.add_argument("--hf-weights", action="store_true",
+                    help="convert llama.cpp engines' weights too (TensorRT-LLM builds from them)")
     a = ap.parse_args()
     t0 = time.time()
     try:
-        build(a.config, a.out, a.cache, a.dtype)
+        build(a.config, a.out, a.cache, a.dtype, a.hf_weights)
     except ChecksumError as e:
         print(f"[build] ERROR: {e}", file=sys.stderr)
         sys.exit(3)
