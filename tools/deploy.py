@@ -56,6 +56,18 @@ def _orchestrator_io() -> str:
 
 
 INTERFACES = {"engine": ENGINE_IO, "orchestrator": _orchestrator_io()}
+# The orchestrator's first request measures the engines' costs; Triton runs this one (files in
+# model_repository/ssd/warmup/) before it reports the model READY, so no client pays for it.
+WARMUP_FILES = REPO / "model_repository" / "ssd" / "warmup"
+ORCHESTRATOR_WARMUP = """# Triton runs this request (warmup/: a short prompt, 8 tokens) before it reports the model READY:
+# the orchestrator measures the engines' costs for the scheduler on its first request
+# (decoding/calibration.py), so no client's first request pays for it.
+model_warmup [ {
+  name: "calibrate"
+  batch_size: 1
+  inputs { key: "text_input" value: { data_type: TYPE_STRING dims: [ 1 ] input_data_file: "text_input" } }
+  inputs { key: "max_tokens" value: { data_type: TYPE_INT32 dims: [ 1 ] input_data_file: "max_tokens" } }
+} ]"""
 
 
 class SpecError(ValueError):
@@ -127,6 +139,8 @@ def render_model(name: str, spec: dict) -> str:
     if spec.get("decoupled"):
         lines.append("model_transaction_policy { decoupled: true }")
     lines += [INTERFACES[interface], _instance_group(name, spec)]
+    if interface == "orchestrator":
+        lines.append(ORCHESTRATOR_WARMUP)
     for it in _parameters(name, spec):
         lines.append(it if isinstance(it, str) else f'parameters: {{ key: "{it[0]}" value: {{ string_value: "{it[1]}" }} }}')
     return "\n".join(lines) + "\n"
@@ -144,6 +158,8 @@ def write(configs: dict[str, str], out: Path) -> None:
     for name, text in configs.items():
         (out / name).mkdir(parents=True, exist_ok=True)
         (out / name / "config.pbtxt").write_text(text)
+        if "model_warmup" in text and not (out / name / "warmup").exists():
+            shutil.copytree(WARMUP_FILES, out / name / "warmup")
         version = out / name / "1"
         shipped = REPO / "model_repository" / name / "1"
         if not version.exists():  # Triton needs a version folder; the code lives in backends/python_ssd

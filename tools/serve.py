@@ -51,7 +51,18 @@ def main() -> None:
                           log_file=a.work_dir / "tritonserver.log")
     print(f"[serve] starting tritonserver (log: {server.log_file}) ...", flush=True)
     t0 = time.time()
-    server.start(timeout=900)
+    shown: dict[str, str] = {}
+
+    def progress(states: dict[str, str]) -> None:
+        engines_up = all(s == "READY" for m, s in states.items() if m != "ssd")
+        for model, state in states.items():
+            label = ("LOADING: measuring the engines' costs (its warmup request)"
+                     if model == "ssd" and state == "LOADING" and engines_up else state or "waiting for the engines")
+            if shown.get(model) != label:
+                shown[model] = label
+                print(f"[serve] {time.time() - t0:4.0f} s  {model}: {label}", flush=True)
+
+    server.start(timeout=900, progress=progress)
     print(f"[serve] ready in {time.time() - t0:.0f} s: target={roles['target']} drafter={roles['drafter']}")
     print(f"[serve] HTTP    http://{server.http_url}   gRPC {server.grpc_url}   "
           f"metrics http://{server.address}:{server.metrics_port}/metrics")

@@ -16,7 +16,9 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +69,15 @@ def prepare_backend_dir(build: Path) -> Path:
         link.unlink()
     link.symlink_to(REPO / "backends" / "python_ssd")
     return out
+
+
+def deferred_models(repository: Path) -> list[str]:
+    """Models loaded after the server is ready: those with a model_warmup (the orchestrator)."""
+    return sorted(p.parent.name for p in Path(repository).glob("*/config.pbtxt") if "model_warmup" in p.read_text())
+
+
+def startup_models(repository: Path, deferred: list[str]) -> list[str]:
+    return sorted(p.parent.name for p in Path(repository).glob("*/config.pbtxt") if p.parent.name not in deferred)
 
 
 def _set_param(text: str, key: str, value: str) -> str:
@@ -124,7 +135,20 @@ class TritonServer:
         env.update(self.extra_env)
         return env
 
-    def start(self, timeout: float = 600.0, echo: bool = False) -> "TritonServer":
+    def model_states(self) -> dict[str, str]:
+        """{model: state} from Triton's repository index (READY, LOADING, UNAVAILABLE, ...)."""
+        import json
+
+        try:
+            req = urllib.request.Request(f"http://{self.http_url}/v2/repository/index", data=b"{}", method="POST")
+            with urllib.request.urlopen(req, timeout=2) as r:
+                return {m["name"]: m.get("state", "") for m in json.load(r)}
+        except (OSError, ValueError):
+            return {}
+
+    def start(self, timeout: float = 600.0, echo: bool = False, progress=None) -> "TritonServer":
+        """Starts tritonserver and waits until it reports ready; ``progress(states)`` (optional) is
+        called with model_states() whenever they change."""
         self.http_port = self.http_port or free_port()
         self.grpc_port = self.grpc_port or free_port()
         self.metrics_port = self.metrics_port or free_port()
@@ -137,19 +161,54 @@ class TritonServer:
                "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=false",
                "--log-verbose=0", "--exit-timeout-secs=10",
                # explicit: the orchestrator reloads an engine whose process died (docs/reliability.md)
-               "--model-control-mode=explicit", "--load-model=*"]
+               "--model-control-mode=explicit"]
+        # A model with a warmup sample (the orchestrator: its warmup measures the engines' costs over
+        # BLS, which Triton refuses until the server is ready) loads once the others are READY, through
+        # the repository API; the server reports ready only after its warmup (strict readiness).
+        deferred = deferred_models(self.repository)
+        cmd += [f"--load-model={m}" for m in startup_models(self.repository, deferred)]
         out = None if echo else open(self.log_file or (self.build / "tritonserver.log"), "w")
         self.proc = subprocess.Popen(cmd, env=self.env(), stdout=out, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         deadline = time.time() + timeout
+        states: dict[str, str] = {}
+        loader: threading.Thread | None = None
+        failed: list[str] = []
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with code {self.proc.returncode}; see {self.log_file}")
-            if self.ready():
-                return self
+            if progress is not None:
+                now = self.model_states()
+                if now and now != states:
+                    states = now
+                    progress(states)
+            if failed:
+                self.stop()
+                raise RuntimeError(f"tritonserver could not load {failed[0]}; see {self.log_file}")
+            if self.ready() and (loader is None or not loader.is_alive()):
+                if loader is None and deferred:
+                    loader = threading.Thread(target=self._load, args=(deferred, failed), daemon=True)
+                    loader.start()
+                else:
+                    return self
             time.sleep(0.5)
         self.stop()
         raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s; see {self.log_file}")
+
+    def _load(self, models: list[str], failed: list[str]) -> None:
+        """Loads ``models`` through the repository API (blocks until each is loaded, warmup included);
+        appends "<model>: <error>" to ``failed`` on an error."""
+        for m in models:
+            req = urllib.request.Request(f"http://{self.http_url}/v2/repository/models/{m}/load", data=b"{}",
+                                         method="POST")
+            try:
+                urllib.request.urlopen(req, timeout=3600).close()
+            except urllib.error.HTTPError as e:
+                failed.append(f"{m}: {e.read().decode(errors='replace')}")
+                return
+            except OSError as e:
+                failed.append(f"{m}: {e}")
+                return
 
     def ready(self) -> bool:
         try:

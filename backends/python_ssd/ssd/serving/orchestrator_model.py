@@ -52,6 +52,7 @@ class OrchestratorModel:
                 json.dumps({"t": round(time.time(), 3), **ev}) + "\n")
         # concurrent sequences reach the engines together (see decoding/coalescer.py); 0 disables
         bls = BLSClient()
+        self.models = bls.models
         remove_stale()  # flags of servers killed before they could unlink theirs
         self.waiting = WaitingFlag.for_target(bls.models["target"])
         self.client = CoalescingClient(bls, expected=lambda: self.shared.active,
@@ -148,19 +149,32 @@ class OrchestratorModel:
 
     async def _calibrated(self) -> None:
         """The first request waits for the engines' costs to be measured (decoding/calibration.py),
-        and so do the requests that arrive meanwhile. Skipped when a forced mode leaves the
-        scheduler nothing to choose."""
-        if self.cfg.force_mode:
-            return
+        and so do the requests that arrive meanwhile. That first request is the model's warmup
+        sample, which Triton runs before it reports the model READY, so clients never pay for the
+        measurement. A forced mode leaves the scheduler nothing to choose: no measurement."""
         if self._calibration is None:
             self._calibration = asyncio.ensure_future(self._measure_costs())
         await asyncio.shield(self._calibration)
+
+    async def _engines_loaded(self, timeout: float = 900.0) -> None:
+        """Waits until Triton has loaded the engine models. The first request the orchestrator sees
+        is its model_warmup sample (config.pbtxt), which Triton runs while it loads the models side
+        by side: the calibration it triggers must not call an engine before that engine is READY."""
+        deadline = time.monotonic() + timeout
+        for model in (self.models["target"], self.models["drafter"]):  # the engines calibration times
+            while not await asyncio.to_thread(pb_utils.is_model_ready, model):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"engine model '{model}' not ready after {timeout:.0f} s")
+                await asyncio.sleep(0.2)
 
     async def _measure_costs(self) -> None:
         batch = self.cfg.max_active_requests
         if self.cfg.max_verify_rows:  # the largest batch whose two-row verify is one tile
             batch = max(1, min(batch, self.cfg.max_verify_rows // 2))
         try:
+            await self._engines_loaded()
+            if self.cfg.force_mode:
+                return
             await calibrate(self.client, self.shared.policy.model, self.cfg.wide_threads, batch)
         except Exception as e:  # noqa: BLE001 - the curves are then learned from the rounds alone
             print(f"ssd: measuring the engines' costs failed ({type(e).__name__}: {e}); the scheduler "
