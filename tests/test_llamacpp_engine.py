@@ -161,7 +161,7 @@ def test_the_load_check_sees_the_kernel_switch(llama, llama_target, tmp_path):
     runs with the tiled kernels off by default and loads with the same row counts; forced on, the
     load check finds a prefilled history's logits changed and the engine refuses to load, naming
     the switch."""
-    from ssd.engine.llamacpp_engine import LOGIT_ROW_CHOICES
+    from ssd.engine.llamacpp_checks import LOGIT_ROW_CHOICES
     from ssd.engine.meta import gguf_tensor_types
 
     assert os.environ["GGML_CPU_TILED_MM"] == "1" and "Q6_K" in gguf_tensor_types(llama_target)

@@ -13,9 +13,10 @@ Why these settings (docs/cpu_engine.md has the measurements):
   are Q4_K and Q6_K (a Q4_K_M file) and are turned off for any other (GGML_CPU_TILED_MM, set before
   the library's first product unless the environment sets it). It runs the rows whose logits it
   returns (every decode and verify row, hence every generated token) in forwards of at most
-  `logit_rows` rows, all sequences' together: the largest of LOGIT_ROW_CHOICES for which a
-  load-time check finds the rows' logits equal to one-row forwards (16 with the patched build; 7
-  with the tiled kernels on and unpatched; 3 on an unpatched build). A second check at load
+  `logit_rows` rows, all sequences' together: the largest of 16, 7, 3, 1 for which load-time
+  checks (llamacpp_checks.py) find the rows' logits equal to one-row forwards in forwards of every
+  size up to it, of one sequence and of several (16 with the patched build, which refuses to load
+  with less; 7 with the tiled kernels on and unpatched; 3 on an unpatched build). Another check
   prefills a history in one forward and steps it one row at a time: if the two differ (kernels
   this build does not make agree), the engine refuses to load rather than decode inexactly. The
   same bits at 1 and 2 threads: threads split a product's outputs, never a sum.
@@ -42,7 +43,6 @@ import ctypes
 import json
 import os
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,14 +50,12 @@ import numpy as np
 import torch
 
 from .engine import ExtendCall, common_prefix, same_bits_at
+from .llamacpp_checks import choose_logit_rows, prefill_keeps_bits
 from .meta import engine_meta, gguf_tensor_types
 from .prefix_store import PrefixStore
 
 GGUF_NAME = "model.gguf"
 N_BATCH = 512  # context rows per llama_decode: longer prefills run in chunks
-LOGIT_ROW_CHOICES = (16, 7, 3, 1)  # logit rows per llama_decode: 16 rows cost 5-8 one-row steps; below
-# the tiled kernels (8); below an unpatched build's 4-row GEMM (4)
-ROW_PROBES = ((16, 7919), (23, 104729), (37, 15485863), (50, 32452843))  # (prefix length, token stride)
 DRAFT_HEADROOM = 64  # cells past max_len: a verify's draft rows may run past the longest sequence
 
 
@@ -93,7 +91,6 @@ def pack_forwards(per_sequence: list[list[tuple]], limit: int) -> list[list[tupl
 TILED_TYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
                "IQ3_S", "IQ1_S", "IQ1_M"}
 TILED_EXACT_TYPES = {"Q4_K", "Q6_K"}
-PREFILL_PROBE = 24  # tokens of the load check's history: a prefill of them takes the multi-row kernels
 
 
 def tiled_kernels_keep_bits(types) -> bool:
@@ -174,13 +171,13 @@ class LlamaCppEngine:
         self._thread_check: dict[int, bool] = {}
         self.logit_rows = N_BATCH
         if exact:
-            if not self._prefill_keeps_bits():
+            if not prefill_keeps_bits(self):
                 raise RuntimeError(
                     f"{gguf}: a history prefilled in one forward gets other logits than one-row steps give it "
                     f"(llama.cpp's multi-row kernels for this file's weight types round differently on this CPU, "
                     f"GGML_CPU_TILED_MM={os.environ.get('GGML_CPU_TILED_MM')}): rebuild llama-cpp-python with the "
                     "patches (make venv) or set GGML_CPU_TILED_MM=0")
-            self.logit_rows = next(n for n in LOGIT_ROW_CHOICES if n == 1 or self._rows_keep_bits(n))
+            self.logit_rows = choose_logit_rows(self)
 
     # -- threads -------------------------------------------------------------------------------------
     def set_threads(self, n: int) -> None:
@@ -195,55 +192,6 @@ class LlamaCppEngine:
         if n not in self._thread_check:
             self._thread_check[n] = same_bits_at(self, n)
         return self._thread_check[n]
-
-    @contextmanager
-    def _probing(self):
-        """A load-time check's forwards: they change logit_rows and are timed like any call; neither
-        the setting nor their timings and reused prefixes outlive the check."""
-        saved = self.logit_rows
-        try:
-            yield
-        finally:
-            self.logit_rows = saved
-            self.timing.clear()
-            self.reused.clear()
-
-    def _probe_ids(self, count: int, step: int) -> list[int]:
-        return [(step * i) % (self.vocab_size - 10) + 10 for i in range(count)]
-
-    def _rows_keep_bits(self, n: int) -> bool:
-        """Whether n rows in one forward get the logits they get one at a time (llama.cpp's kernel
-        choice by row count is internal to the library: checked, not assumed). Several probes: where
-        two kernels round differently, some inputs still give equal bits (on AVX2, about one in six
-        4-row forwards), so one probe can pass a row count that changes other rows."""
-        with self._probing():
-            return all(self._probe_keeps_bits(n, prefix, step) for prefix, step in ROW_PROBES)
-
-    def _prefill_keeps_bits(self) -> bool:
-        """Whether the last row of a history prefilled in one forward (the multi-row kernels) gets the
-        logits it gets when the history is stepped one row at a time."""
-        ids = self._probe_ids(PREFILL_PROBE, ROW_PROBES[0][1])
-        probe = "__prefill_probe"
-        with self._probing():
-            self.logit_rows = 1
-            for i in range(1, len(ids) + 1):
-                stepped = self.extend([ExtendCall(probe, ids[:i], 1)])[0]
-            self.release(probe, keep_prefix=False)
-            once = self.extend([ExtendCall(probe, ids, 1)])[0]
-            self.release(probe, keep_prefix=False)
-            return torch.equal(stepped, once)
-
-    def _probe_keeps_bits(self, n: int, prefix: int, step: int) -> bool:
-        ids = self._probe_ids(prefix + n, step)
-        probe = "__rows_probe"
-        self.logit_rows = 1
-        self.extend([ExtendCall(probe, ids[:prefix], 1)])
-        one = torch.cat([self.extend([ExtendCall(probe, ids[: prefix + i + 1], 1)])[0] for i in range(n)])
-        self.truncate(probe, prefix)  # the same prefix KV under both
-        self.logit_rows = n
-        together = self.extend([ExtendCall(probe, ids, n)])[0]
-        self.release(probe, keep_prefix=False)
-        return torch.equal(one, together)
 
     # -- sequences -----------------------------------------------------------------------------------
     def _slot(self, seq_id: str, keep: set[str], tokens: list[int]) -> Slot:
