@@ -25,6 +25,7 @@ from ..decoding.generator import Generation, SharedState
 from ..decoding.stopping import StopChecker
 from ..decoding.text import TextCodec
 from ..engine.meta import resolve_engine_dir
+from ..workers.protocol import ReleaseCall
 from ..workers.waiting import WaitingFlag, remove_stale
 from .bls_client import BLSClient
 from . import errors
@@ -33,6 +34,7 @@ from .request_io import parse_request
 from .supervisor import EngineSupervisor, looks_like_engine_down
 
 BAD_INPUT = "INVALID_ARG"  # the server-side classes' codes are in errors.CODE
+SERVER_STARTING = "Server not ready"  # Triton's answer to a BLS call before the server is ready
 
 
 class OrchestratorModel:
@@ -51,7 +53,7 @@ class OrchestratorModel:
             self.shared.policy.trace = lambda ev: self._trace_file.write(
                 json.dumps({"t": round(time.time(), 3), **ev}) + "\n")
         # concurrent sequences reach the engines together (see decoding/coalescer.py); 0 disables
-        bls = BLSClient()
+        self.bls = bls = BLSClient()
         self.models = bls.models
         remove_stale()  # flags of servers killed before they could unlink theirs
         self.waiting = WaitingFlag.for_target(bls.models["target"])
@@ -147,14 +149,20 @@ class OrchestratorModel:
             self.kv.release(reserve)
             self.metrics.kv_state(self.kv.reserved, self.kv.waiting)
 
-    async def _calibrated(self) -> None:
+    async def _calibrated(self) -> bool:
         """The first request waits for the engines' costs to be measured (decoding/calibration.py),
         and so do the requests that arrive meanwhile. That first request is the model's warmup
         sample, which Triton runs before it reports the model READY, so clients never pay for the
-        measurement. A forced mode leaves the scheduler nothing to choose: no measurement."""
+        measurement. A forced mode leaves the scheduler nothing to choose: no measurement.
+        False when Triton still refuses BLS because the server is starting (a launcher that loads
+        every model at once, not after the engines as tools/triton_launcher.py does): the sample
+        then does nothing and the first client request measures."""
         if self._calibration is None:
             self._calibration = asyncio.ensure_future(self._measure_costs())
-        await asyncio.shield(self._calibration)
+        if not await asyncio.shield(self._calibration):
+            self._calibration = None
+            return False
+        return True
 
     async def _engines_loaded(self, timeout: float = 900.0) -> None:
         """Waits until Triton has loaded the engine models. The first request the orchestrator sees
@@ -167,21 +175,31 @@ class OrchestratorModel:
                     raise TimeoutError(f"engine model '{model}' not ready after {timeout:.0f} s")
                 await asyncio.sleep(0.2)
 
-    async def _measure_costs(self) -> None:
+    async def _measure_costs(self) -> bool:
         batch = self.cfg.max_active_requests
         if self.cfg.max_verify_rows:  # the largest batch whose two-row verify is one tile
             batch = max(1, min(batch, self.cfg.max_verify_rows // 2))
-        try:
+        try:  # both raise SERVER_STARTING while the server starts
             await self._engines_loaded()
-            if self.cfg.force_mode:
-                return
+            await self.bls.call_many("release", [ReleaseCall("__server_ready_probe")])
+        except Exception as e:  # noqa: BLE001 - pb_utils raises its own exception class
+            if SERVER_STARTING in str(e):
+                return False
+            print(f"ssd: the engine models are not ready ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+        if self.cfg.force_mode:
+            return True
+        try:
             await calibrate(self.client, self.shared.policy.model, self.cfg.wide_threads, batch)
         except Exception as e:  # noqa: BLE001 - the curves are then learned from the rounds alone
             print(f"ssd: measuring the engines' costs failed ({type(e).__name__}: {e}); the scheduler "
                   "learns them from the rounds", file=sys.stderr, flush=True)
+        return True
 
     async def _decode(self, request, sender, req, prompt) -> None:
-        await self._calibrated()
+        if not await self._calibrated():  # the warmup sample while the server starts: nothing to do yet
+            sender.send(self._response("", [], "length", {"skipped": "the server is starting"}),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
         seq_id = uuid.uuid4().hex
         gen = Generation(self.client, seq_id, prompt, req.params, req.seed, req.decode, self.shared, req.max_tokens)
         checker = StopChecker(self.codec.decode, req.max_tokens, self.codec.eos_ids, req.stop)
