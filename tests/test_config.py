@@ -27,7 +27,8 @@ def test_the_shipped_config_pbtxt_states_the_dataclass_defaults():
     params = pbtxt_parameters()
     cfg = ServerConfig.from_parameters(params)
     assert cfg == ServerConfig()  # config.pbtxt restates the defaults; they cannot drift apart
-    assert set(ServerConfig.parameter_names()) == set(params) - {"role"}
+    names = ServerConfig.parameter_names()  # the server's own and the scheduler's (PolicyConfig)
+    assert set(names) == set(params) - {"role"} and len(set(names)) == len(names)
 
 
 def test_the_engine_models_config_pbtxt_states_their_roles_defaults():

@@ -11,6 +11,7 @@ benches send. Its fields are the request inputs the `ssd` model and the OpenAI f
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from typing import Callable
 
@@ -71,8 +72,8 @@ class DecodeConfig:
 
 # the request inputs that set a DecodeConfig (the `ssd` model's, the OpenAI frontend's extra body
 # fields): input name -> (field, Python type)
-DECODE_INPUTS = {_INPUT_NAMES.get(f.name, f.name): (f.name, {"str": str, "int": int, "float": float, "bool": bool}[f.type])
-                 for f in fields(DecodeConfig)}
+_PY_TYPES = {"str": str, "int": int, "float": float, "bool": bool}  # fields' annotations, as strings
+DECODE_INPUTS = {_INPUT_NAMES.get(f.name, f.name): (f.name, _PY_TYPES[f.type]) for f in fields(DecodeConfig)}
 
 
 @dataclass
@@ -188,8 +189,8 @@ class EngineConfig:
     # a row's logits never depend on the other rows, so greedy output is exact under any batch
     batch_invariant: bool = True
     # sequences held at once. llamacpp allocates a KV stream for each at load, max_len (+ draft
-    # headroom) tokens long: 16 x 2048 tokens of the 1.5B target in f16 take 0.9 GB. torch and
-    # openvino grow a sequence's KV as it goes and evict the least recently used past the count
+    # headroom) tokens long; torch and openvino grow a sequence's KV as it goes and evict the least
+    # recently used past the count
     max_sequences: int = 16
     max_len: int = 2048  # llamacpp: the longest sequence, in tokens (torch: the model's own)
     # llamacpp: MB of host RAM for finished sequences' KV past the streams (llama-server's --cache-ram;
@@ -254,7 +255,8 @@ class EngineConfig:
 
 # The default deployment, per role: what a field is where the model's config.pbtxt says nothing.
 # The target is exact and its llama.cpp KV is allocated at load (16 streams); the drafter needs no
-# exactness (verification is exact whatever it drafts) and holds more sequences, cheaply, on torch.
+# exactness (verification is exact whatever it drafts), so its steps take int8 weights and an output
+# head over the 32768 most frequent ids, and it holds more sequences, cheaply, on torch.
 ROLE_DEFAULTS = {
     "target": dict(engine="qwen2.5-coder-1.5b", cores="0", wide_cores="0,1"),
     "drafter": dict(engine="qwen2.5-coder-0.5b", cores="1", wide_cores="0,1", batch_invariant=False,
@@ -263,19 +265,13 @@ ROLE_DEFAULTS = {
 }
 
 
-class _naming:
+@contextmanager
+def _naming(model: str):
     """Prefixes a ValueError raised inside with the model it concerns."""
-
-    def __init__(self, model: str):
-        self.model = model
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, err, tb):
-        if kind is ValueError:
-            raise ValueError(f"model '{self.model}': {err}") from None
-        return False
+    try:
+        yield
+    except ValueError as e:
+        raise ValueError(f"model '{model}': {e}") from None
 
 
 def _types(cls, names=None) -> dict[str, str]:
@@ -303,6 +299,6 @@ def _parse(name: str, raw: str, kind: str):
             if raw.lower() not in ("true", "false"):
                 raise ValueError
             return raw.lower() == "true"
-        return {"int": int, "float": float, "str": str}[kind](raw)
+        return _PY_TYPES[kind](raw)
     except ValueError:
         raise ValueError(f"parameter '{name}': expected a {kind}, got {raw!r}") from None
