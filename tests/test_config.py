@@ -95,12 +95,14 @@ def test_a_bad_engine_parameter_is_refused_naming_it_and_the_model():
     with pytest.raises(ValueError, match=r"model 'target': parameter 'max_lenn': unknown \(known: .*max_len"):
         EngineConfig.from_parameters({**params, "max_lenn": "4096"}, "target")
     for name, value, why in (("max_len", "big", "expected a int"), ("threads", "-1", "must be >= 0"),
-                             ("engine_backend", "onnx", "must be empty or one of"), ("cores", "0;1", "comma-separated"),
-                             ("batch_invariant", "yes", "expected a bool"), ("weight_quant", "int8", "batch_invariant false")):
+                             ("engine_backend", "onnx", "must be empty or one of"),
+                             ("cores", "0;1", "comma-separated"), ("batch_invariant", "yes", "expected a bool"),
+                             ("weight_quant", "int8", "batch_invariant false")):
         with pytest.raises(ValueError, match=f"model 'target': parameter '{name}': .*{why}"):
             EngineConfig.from_parameters({**params, name: value}, "target")
+    drafter = {**pbtxt_parameters("drafter_primary"), "engine_backend": "llamacpp"}
     with pytest.raises(ValueError, match="model 'drafter_primary': parameter 'engine_backend': llamacpp serves the target"):
-        EngineConfig.from_parameters({**pbtxt_parameters("drafter_primary"), "engine_backend": "llamacpp"}, "drafter_primary")
+        EngineConfig.from_parameters(drafter, "drafter_primary")
     cfg = EngineConfig.from_parameters({**params, "max_len": "4096", "cache_ram_mb": ""}, "target")
     assert (cfg.max_len, cfg.cache_ram_mb) == (4096, 384.0)  # empty keeps the default
 

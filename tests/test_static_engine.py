@@ -111,4 +111,5 @@ def test_the_factory_builds_the_static_drafter(tmp_path) -> None:
                                                         "weight_quant": "", "head_vocab": "0"}), str(folder))
     assert isinstance(worker.engine, StaticEngine) and worker.engine.pool.static_len == 40
     assert worker.engine.use_graphs is False  # a CPU device: the same steps, run eagerly
-    assert type(build_worker(EngineConfig.from_parameters({"role": "drafter"}), str(folder)).engine).__name__ == "TorchEngine"
+    worker = build_worker(EngineConfig.from_parameters({"role": "drafter"}), str(folder))
+    assert type(worker.engine).__name__ == "TorchEngine"
