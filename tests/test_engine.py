@@ -280,7 +280,7 @@ def test_thread_counts_switch_only_where_rows_keep_their_bits(engine_root, codec
             pytest.fail("this test needs two cores (the CI machine has two)")
         core, wide = min(before), sorted(before)[:2]
         os.sched_setaffinity(0, {core})  # as an engine process is: pinned to its own core at start
-        place = Placement(target, str(core), ",".join(map(str, wide)), "1")
+        place = Placement(target, str(core), ",".join(map(str, wide)), 1)
         assert list(place.checked) == [2]  # checked at load, not timed as the first wide round
         assert os.sched_getaffinity(0) == {core}
         used = place.use(2)

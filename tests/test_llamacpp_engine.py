@@ -283,16 +283,18 @@ def test_greedy_sd_and_ssd_equal_ar(llama, engines, codec, drafter, cfg):
 
 def test_factory_reads_the_runtime_and_serves_the_target_only(llama_target, tmp_path):
     from ssd.engine.llamacpp_engine import LlamaCppEngine
+    from ssd.config import EngineConfig
     from ssd.workers.factory import build_worker
 
     folder = tmp_path / "t"
     shutil.copytree(llama_target, folder, ignore=shutil.ignore_patterns("model.safetensors"))
     meta = json.loads((folder / "engine.json").read_text())
     (folder / "engine.json").write_text(json.dumps(meta | {"runtime": "llamacpp"}))
-    worker = build_worker("target", {"threads": "1", "max_sequences": "2", "max_len": "256"}, str(folder))
+    cfg = EngineConfig.from_parameters({"role": "target", "threads": "1", "max_sequences": "2", "max_len": "256"})
+    worker = build_worker(cfg, str(folder))
     assert isinstance(worker.engine, LlamaCppEngine) and worker.engine.max_len == 256
     with pytest.raises(ValueError, match="target only"):
-        build_worker("drafter", {"threads": "1"}, str(folder))
+        build_worker(EngineConfig.from_parameters({"role": "drafter", "threads": "1"}), str(folder))
     (folder / "model.gguf").unlink()
     with pytest.raises(FileNotFoundError, match="model.gguf"):
         LlamaCppEngine(folder)

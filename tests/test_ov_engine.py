@@ -130,13 +130,14 @@ def test_greedy_sd_and_ssd_equal_ar(ov_engines, codec, drafter, cfg):
 
 def test_factory_reads_the_runtime_from_the_engine_folder(engine_root, tmp_path):
     from ssd.engine.ov_engine import OpenVinoEngine
+    from ssd.config import EngineConfig
     from ssd.workers.factory import build_worker
 
     folder = tmp_path / "weak"
     shutil.copytree(engine_root / WEAK, folder)
     meta = json.loads((folder / "engine.json").read_text())
     (folder / "engine.json").write_text(json.dumps(meta | {"runtime": "openvino", "ov_weights": "int8"}))
-    worker = build_worker("drafter", {"threads": "1", "batch_invariant": "false"}, str(folder))
+    worker = build_worker(EngineConfig.from_parameters({"role": "drafter", "threads": "1"}), str(folder))
     assert isinstance(worker.engine, OpenVinoEngine)
     assert worker.engine.model.weight_format == "int8"
     with pytest.raises(ValueError, match="weights"):

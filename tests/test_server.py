@@ -240,3 +240,28 @@ def test_wide_rounds_give_the_lone_ar_output(engine_root, tmp_path_factory, refe
             assert stats["prefill_threads"] == 2  # the prompt too is prefilled on both cores
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("model, name", [("target", "max_lenn"), ("ssd", "explor")])
+def test_a_misspelled_parameter_stops_the_load_naming_it_and_the_model(tmp_path, model, name):
+    """A real tritonserver on a repository whose `model` has a misspelled parameter: the model fails
+    to load (and so does the server), and the error names the parameter and the model. The check runs
+    before any weights load: no engines are needed."""
+    import shutil
+
+    from ssd_tools.triton_launcher import TritonServer, render_repository
+
+    repo = render_repository(tmp_path / "models", {model: {name: "1"}})
+    for other in repo.iterdir():  # the model alone: its own error, quickly
+        if other.name != model:
+            shutil.rmtree(other)
+    log = tmp_path / "tritonserver.log"
+    srv = TritonServer(repo, tmp_path / "engines", log_file=log)
+    try:
+        with pytest.raises(RuntimeError, match="tritonserver exited"):
+            srv.start(timeout=300)
+    finally:
+        srv.stop()
+    text = log.read_text()
+    assert f"model '{model}': parameter '{name}': unknown (known: " in text, text[-3000:]
+    assert f"failed to load '{model}'" in text, text[-3000:]

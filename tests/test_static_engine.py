@@ -103,11 +103,13 @@ def test_drafter_worker_speculates_the_same_on_the_static_engine(pair) -> None:
 
 def test_the_factory_builds_the_static_drafter(tmp_path) -> None:
     from ssd.engine.static_engine import StaticEngine
+    from ssd.config import EngineConfig
     from ssd.workers.factory import build_worker
 
     folder = make_tiny_engine(tmp_path / "m", seed=4)
-    worker = build_worker("drafter", {"static_kv_len": "40", "batch_invariant": "false", "max_sequences": "2"},
-                          str(folder))
+    worker = build_worker(EngineConfig.from_parameters({"role": "drafter", "static_kv_len": "40", "max_sequences": "2",
+                                                        "weight_quant": "", "head_vocab": "0"}), str(folder))
     assert isinstance(worker.engine, StaticEngine) and worker.engine.pool.static_len == 40
     assert worker.engine.use_graphs is False  # a CPU device: the same steps, run eagerly
-    assert type(build_worker("drafter", {}, str(folder)).engine).__name__ == "TorchEngine"
+    worker = build_worker(EngineConfig.from_parameters({"role": "drafter"}), str(folder))
+    assert type(worker.engine).__name__ == "TorchEngine"

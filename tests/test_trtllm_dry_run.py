@@ -220,15 +220,17 @@ def test_build_runs_with_stand_in_toolchain(tmp_path: Path) -> None:
 def test_engine_backend_is_selectable_and_fails_clearly_without_tensorrt_llm():
     import pytest
 
+    from ssd.config import EngineConfig
     from ssd.workers.factory import build_worker
 
     with pytest.raises(ValueError, match="engine_backend"):
-        build_worker("target", {"engine_backend": "onnx"}, "/nonexistent")
+        EngineConfig.from_parameters({"role": "target", "engine_backend": "onnx"})
     with pytest.raises(ValueError, match="engine_backend.*target only"):
-        build_worker("drafter", {"engine_backend": "tensorrt_llm"}, "/nonexistent")
+        EngineConfig.from_parameters({"role": "drafter", "engine_backend": "tensorrt_llm"})
     try:
         import tensorrt_llm  # noqa: F401
     except ImportError:  # this machine: the target on tensorrt_llm says what is missing and where it runs
         with pytest.raises(RuntimeError, match="TensorRT-LLM .* is not installed"):
-            build_worker("target", {"engine_backend": "tensorrt_llm"}, "/nonexistent")
-    assert type(build_worker("fast_backup", {}, None)).__name__ == "NgramWorker"
+            build_worker(EngineConfig.from_parameters({"role": "target", "engine_backend": "tensorrt_llm"}),
+                         "/nonexistent")
+    assert type(build_worker(EngineConfig.from_parameters({"role": "fast_backup"}), None)).__name__ == "NgramWorker"

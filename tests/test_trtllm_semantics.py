@@ -52,6 +52,13 @@ def write_engine(root: Path, role: str, *, max_seq_len: int = 64, max_draft_len:
     return plan.engine_dir
 
 
+def trtllm_target(**params: str):
+    """The `target` model's config with engine_backend tensorrt_llm (and ``params``)."""
+    from ssd.config import EngineConfig
+
+    return EngineConfig.from_parameters({"role": "target", "engine_backend": "tensorrt_llm", **params})
+
+
 def install(monkeypatch: pytest.MonkeyPatch, target) -> list:
     import types
 
@@ -231,7 +238,7 @@ def test_build_and_runtime_share_the_engine_path(tmp_path: Path, monkeypatch) ->
     from ssd.workers.factory import build_worker
 
     write_engine(tmp_path, "target")
-    worker = build_worker("target", {"engine_backend": "tensorrt_llm"}, str(tmp_path / "engines/target"))
+    worker = build_worker(trtllm_target(), str(tmp_path / "engines/target"))
     assert worker.engine.folder == tmp_path / "engines/trtllm/target"
 
 
@@ -240,13 +247,12 @@ def test_tensor_parallel_gpus_must_match_the_build(tmp_path: Path, monkeypatch) 
     from ssd.workers.factory import build_worker
 
     write_engine(tmp_path, "target")  # tp_size 1
-    build_worker("target", {"engine_backend": "tensorrt_llm", "gpu_device_ids": "3"}, str(tmp_path / "engines/target"))
+    build_worker(trtllm_target(gpu_device_ids="3"), str(tmp_path / "engines/target"))
     assert made[-1].config.parallel_config.device_ids == [3]
     with pytest.raises(ValueError, match="gpu_device_ids.*tp_size 1"):
-        build_worker("target", {"engine_backend": "tensorrt_llm", "gpu_device_ids": "0,1,2,3"},
-                     str(tmp_path / "engines/target"))
+        build_worker(trtllm_target(gpu_device_ids="0,1,2,3"), str(tmp_path / "engines/target"))
     write_engine(tmp_path, "target", tp_size=4)  # one process spawns a worker per GPU: no mpirun around Triton
-    build_worker("target", {"engine_backend": "tensorrt_llm", "gpu_device_ids": "0,1,2,3"}, str(tmp_path / "engines/target"))
+    build_worker(trtllm_target(gpu_device_ids="0,1,2,3"), str(tmp_path / "engines/target"))
     pc = made[-1].config.parallel_config
     assert pc.device_ids == [0, 1, 2, 3] and pc.communication_mode == "ORCHESTRATOR"
     assert pc.orchestrator_config.worker_executable_path.endswith("bin/executorWorker")

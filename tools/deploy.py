@@ -25,6 +25,8 @@ from pathlib import Path
 
 import yaml
 
+from ssd.config import DECODE_INPUTS
+
 REPO = Path(__file__).resolve().parents[1]
 
 ENGINE_IO = """input [
@@ -35,14 +37,13 @@ output [
   { name: "response" data_type: TYPE_STRING dims: [ 1 ] },
   { name: "probs" data_type: TYPE_FP32 dims: [ -1, -1 ] }
 ]"""
+TRITON_TYPES = {str: "TYPE_STRING", int: "TYPE_INT32", float: "TYPE_FP32", bool: "TYPE_BOOL"}
+# the generate extension's inputs, then SSD's knobs (DecodeConfig's inputs, ssd/config.py)
 ORCHESTRATOR_INPUTS = [("text_input", "TYPE_STRING", False), ("max_tokens", "TYPE_INT32", True),
                        ("temperature", "TYPE_FP32", True), ("top_p", "TYPE_FP32", True),
                        ("top_k", "TYPE_INT32", True), ("seed", "TYPE_INT64", True), ("stop", "TYPE_STRING", True),
-                       ("stream", "TYPE_BOOL", True), ("apply_chat_template", "TYPE_BOOL", True),
-                       ("mode", "TYPE_STRING", True), ("num_draft_tokens", "TYPE_INT32", True),
-                       ("fanout_budget", "TYPE_INT32", True), ("fanout_shape", "TYPE_STRING", True),
-                       ("saguaro_c", "TYPE_FP32", True), ("backup", "TYPE_STRING", True),
-                       ("step_aside", "TYPE_BOOL", True), ("adaptive_k", "TYPE_BOOL", True)]
+                       ("stream", "TYPE_BOOL", True), ("apply_chat_template", "TYPE_BOOL", True)] + \
+                      [(name, TRITON_TYPES[kind], True) for name, (_, kind) in DECODE_INPUTS.items()]
 ORCHESTRATOR_OUTPUTS = [("text_output", "TYPE_STRING", "-1"), ("output_ids", "TYPE_INT32", "-1"),
                         ("finish_reason", "TYPE_STRING", "1"), ("stats", "TYPE_STRING", "1")]
 

@@ -12,13 +12,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ssd.config import DECODE_INPUTS
 from ssd_openai.errors import ApiError
 
-# SSD's knobs, accepted as extra body fields and passed through as the generate inputs of the same name
-SSD_FIELDS = {
-    "mode": str, "num_draft_tokens": int, "fanout_budget": int, "fanout_shape": str, "saguaro_c": float,
-    "backup": str, "step_aside": bool, "adaptive_k": bool, "top_k": int,
-}
+# SSD's knobs (DecodeConfig's inputs) and top_k, accepted as extra body fields and passed through as
+# the generate inputs of the same name
+SSD_FIELDS = {name: kind for name, (_, kind) in DECODE_INPUTS.items()} | {"top_k": int}
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 

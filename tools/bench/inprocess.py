@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ssd.algorithm.sampling import SamplingParams
-from ssd.config import ServerConfig
+from ssd.config import EngineConfig, ServerConfig
 from ssd.decoding.generator import DecodeConfig, Generation, SharedState
 from ssd.decoding.local_client import LocalClient
 from ssd.serving.placement import parse_cores
@@ -43,7 +43,7 @@ def model_params(model: str) -> dict[str, str]:
 def load_worker(role: str, folder: Path, params: dict[str, str]):
     """The worker the served model builds (same runtime, knobs and checks), on one thread: the
     in-process rows measure the algorithm without Triton, not another engine."""
-    return build_worker(role, {**params, "threads": "1"}, str(folder))
+    return build_worker(EngineConfig.from_parameters({**params, "role": role, "threads": "1"}), str(folder))
 
 
 class PinnedClient(LocalClient):

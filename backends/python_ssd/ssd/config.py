@@ -1,14 +1,21 @@
-"""The orchestrator's settings: every default and limit in one place, checked once.
+"""Every model's settings: every default and limit in one place, checked once at load.
 
-``ServerConfig`` holds what `model_repository/ssd/config.pbtxt` may set; each `parameters` entry
-overrides the field of the same name (``ServerConfig.from_parameters``). ``DecodeConfig`` is one
-request's decoding knobs; the server's defaults fill what a request leaves out, and the same
-``DecodeConfig.validate`` checks a request, the defaults and what the benches send.
+``ServerConfig`` holds what `model_repository/ssd/config.pbtxt` may set, the scheduler's knobs
+(``PolicyConfig``) included; ``EngineConfig`` what an engine model's (`target`, `drafter_primary`,
+`drafter_backup`) may set. Each `parameters` entry overrides the field of the same name
+(``from_parameters``); an unknown name or a bad value is refused, naming the parameter and the
+model. ``DecodeConfig`` is one request's decoding knobs; the server's defaults fill what a request
+leaves out, and the same ``DecodeConfig.validate`` checks a request, the defaults and what the
+benches send. Its fields are the request inputs the `ssd` model and the OpenAI frontend accept
+(``DECODE_INPUTS``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable
+
+from .algorithm.scheduler import PolicyConfig
 
 MODES = ("ar", "sd", "ssd")
 BACKUPS = ("auto", "neural", "fast")
@@ -63,6 +70,12 @@ class DecodeConfig:
         check(0.0 <= self.saguaro_c <= 1.0, "saguaro_c", f"must be in [0, 1], got {self.saguaro_c}")
 
 
+# the request inputs that set a DecodeConfig (the `ssd` model's, the OpenAI frontend's extra body
+# fields): input name -> (field, Python type)
+_PY_TYPES = {"str": str, "int": int, "float": float, "bool": bool}  # fields' annotations, as strings
+DECODE_INPUTS = {_INPUT_NAMES.get(f.name, f.name): (f.name, _PY_TYPES[f.type]) for f in fields(DecodeConfig)}
+
+
 @dataclass
 class ServerConfig:
     tokenizer: str = "qwen2.5-coder-1.5b"  # engine folder whose tokenizer the server uses
@@ -102,23 +115,23 @@ class ServerConfig:
     supervise: bool = True
     supervise_engines: str = "target,drafter_primary,drafter_backup"
     supervise_interval_s: float = 0.5
+    # the scheduler's knobs (algorithm/scheduler.py), set by parameters of their own names
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
 
     @classmethod
-    def from_parameters(cls, params: dict[str, str], ignore: tuple[str, ...] = ("role",)) -> "ServerConfig":
+    def parameter_names(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.name != "policy"] + [f.name for f in fields(PolicyConfig)]
+
+    @classmethod
+    def from_parameters(cls, params: dict[str, str], model: str = "ssd") -> "ServerConfig":
         """The defaults, overridden by config.pbtxt's string parameters of the same names (an
         empty string keeps the default). An unknown name is an error: a typo must not pass silently."""
-        types = {f.name: f.type for f in fields(cls)}
-        values = {}
-        for name, raw in params.items():
-            if name in ignore:
-                continue
-            if name not in types:
-                raise ValueError(f"parameter '{name}': unknown (known: {', '.join(types)})")
-            if raw == "" and types[name] != "str":
-                continue
-            values[name] = _parse(name, raw, types[name])
-        cfg = replace(cls(), **values)
-        cfg.validate()
+        with _naming(model):
+            own = {f.name for f in fields(cls)} - {"policy"}
+            values = _parse_all(params, {**_types(cls, own), **_types(PolicyConfig)})
+            policy = PolicyConfig(**{k: v for k, v in values.items() if k not in own})
+            cfg = replace(cls(), policy=policy, **{k: v for k, v in values.items() if k in own})
+            cfg.validate()
         return cfg
 
     def decode_defaults(self) -> DecodeConfig:
@@ -151,6 +164,133 @@ class ServerConfig:
         check(self.kv_wait_s >= 0, "kv_wait_s", f"must be >= 0, got {self.kv_wait_s}")
         check(self.supervise_interval_s > 0, "supervise_interval_s",
               f"must be > 0, got {self.supervise_interval_s}")
+        self.policy.validate()
+
+
+ROLES = ("target", "drafter", "fast_backup")
+BACKENDS = ("torch", "openvino", "llamacpp", "tensorrt_llm")
+WEIGHT_QUANT = ("", "int8", "int8_full")
+
+
+@dataclass
+class EngineConfig:
+    """An engine model's settings. Every field not in ROLE_DEFAULTS has one default for every
+    role; the shipped config.pbtxt files restate their role's defaults (tests/test_config.py)."""
+    role: str = "target"  # target | drafter | fast_backup (the n-gram backup: no model)
+    # the engine folder (under SSD_ENGINE_ROOT, else engines/) and the runtime that serves it: torch,
+    # openvino, llamacpp (targets) or tensorrt_llm (targets); "": the folder's `runtime`, else torch
+    engine: str = ""
+    engine_backend: str = ""
+    # CPU placement (serving/placement.py): the process's own cores and thread count (split rounds)
+    # and the cores of a wide round; "": unpinned; threads 0: the runtime's own count
+    cores: str = ""
+    threads: int = 1
+    wide_cores: str = ""
+    # a row's logits never depend on the other rows, so greedy output is exact under any batch
+    batch_invariant: bool = True
+    # sequences held at once. llamacpp allocates a KV stream for each at load, max_len (+ draft
+    # headroom) tokens long; torch and openvino grow a sequence's KV as it goes and evict the least
+    # recently used past the count
+    max_sequences: int = 16
+    max_len: int = 2048  # llamacpp: the longest sequence, in tokens (torch: the model's own)
+    # llamacpp: MB of host RAM for finished sequences' KV past the streams (llama-server's --cache-ram;
+    # engine/prefix_store.py), so a prompt whose prefix was seen before is not computed again; 0: off
+    cache_ram_mb: float = 384.0
+    dtype: str = ""  # torch: the compute dtype ("": the engine folder's)
+    device: str = "cpu"  # torch: cpu | cuda | cuda:N
+    head_vocab: int = 0  # torch: an output head over the first head_vocab ids only (0: all)
+    weight_quant: str = ""  # torch drafters: int8 | int8_full weights ("": the compute dtype)
+    static_kv_len: int = 0  # torch: > 0, a static KV pool of that many tokens a sequence (engine/static_engine.py)
+    cuda_graphs: str = ""  # torch with static_kv_len: "true" | "false" ("": on a GPU)
+    ov_weights: str = ""  # openvino: the weights' format ("": the folder's, else bf16)
+    gpu_device_ids: str = ""  # tensorrt_llm: the GPUs of the tensor-parallel group
+    ngram_max: int = 4  # fast_backup: the longest and shortest n-gram it looks up
+    ngram_min: int = 1
+
+    @classmethod
+    def from_parameters(cls, params: dict[str, str], model: str = "") -> "EngineConfig":
+        """The defaults of the model's role (its `role` parameter), overridden by its config.pbtxt's
+        string parameters of the same names (an empty string keeps the default of a number or a
+        bool). An unknown name or a bad value is an error naming the parameter and the model
+        (``model``; unnamed, its role)."""
+        with _naming(model or params.get("role", "")):
+            role = params.get("role", "")
+            if role not in ROLES:
+                raise ValueError(f"parameter 'role': must be one of {', '.join(ROLES)}, got {role!r}")
+            cfg = replace(cls.defaults(role), **_parse_all(params, _types(cls)))
+            cfg.validate()
+        return cfg
+
+    @classmethod
+    def defaults(cls, role: str) -> "EngineConfig":
+        return cls(role=role, **ROLE_DEFAULTS[role])
+
+    def validate(self) -> None:
+        def check(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"parameter '{name}': {msg}")
+        check(self.engine_backend in ("",) + BACKENDS, "engine_backend",
+              f"must be empty or one of {', '.join(BACKENDS)}, got {self.engine_backend!r}")
+        check(self.role == "target" or self.engine_backend not in ("llamacpp", "tensorrt_llm"), "engine_backend",
+              f"{self.engine_backend} serves the target only; the {self.role} speculates with tree rows, which "
+              "needs engine_backend 'torch' or 'openvino'")
+        for name in ("cores", "wide_cores", "gpu_device_ids"):
+            check(all(c.strip().isdigit() for c in getattr(self, name).split(",") if c.strip()), name,
+                  f"must be comma-separated numbers, got {getattr(self, name)!r}")
+        check(self.threads >= 0, "threads", f"must be >= 0 (0: the runtime's own), got {self.threads}")
+        check(self.max_sequences >= 1, "max_sequences", f"must be >= 1, got {self.max_sequences}")
+        check(self.max_len >= 1, "max_len", f"must be >= 1, got {self.max_len}")
+        check(self.cache_ram_mb >= 0, "cache_ram_mb", f"must be >= 0, got {self.cache_ram_mb}")
+        check(self.head_vocab >= 0, "head_vocab", f"must be >= 0 (0: the whole vocabulary), got {self.head_vocab}")
+        check(self.weight_quant in WEIGHT_QUANT, "weight_quant",
+              f"must be empty, 'int8' or 'int8_full', got {self.weight_quant!r}")
+        check(not (self.weight_quant and self.batch_invariant), "weight_quant",
+              f"{self.weight_quant!r} changes the logits: it needs batch_invariant false (a drafter)")
+        check(self.static_kv_len >= 0, "static_kv_len", f"must be >= 0, got {self.static_kv_len}")
+        check(self.cuda_graphs in ("", "true", "false"), "cuda_graphs",
+              f"must be empty, 'true' or 'false', got {self.cuda_graphs!r}")
+        check(1 <= self.ngram_min <= self.ngram_max, "ngram_min",
+              f"must be in 1..ngram_max ({self.ngram_max}), got {self.ngram_min}")
+
+
+# The default deployment, per role: what a field is where the model's config.pbtxt says nothing.
+# The target is exact and its llama.cpp KV is allocated at load (16 streams); the drafter needs no
+# exactness (verification is exact whatever it drafts), so its steps take int8 weights and an output
+# head over the 32768 most frequent ids, and it holds more sequences, cheaply, on torch.
+ROLE_DEFAULTS = {
+    "target": dict(engine="qwen2.5-coder-1.5b", cores="0", wide_cores="0,1"),
+    "drafter": dict(engine="qwen2.5-coder-0.5b", cores="1", wide_cores="0,1", batch_invariant=False,
+                    max_sequences=64, head_vocab=32768, weight_quant="int8_full"),
+    "fast_backup": dict(cores="1"),
+}
+
+
+@contextmanager
+def _naming(model: str):
+    """Prefixes a ValueError raised inside with the model it concerns."""
+    try:
+        yield
+    except ValueError as e:
+        raise ValueError(f"model '{model}': {e}") from None
+
+
+def _types(cls, names=None) -> dict[str, str]:
+    return {f.name: f.type for f in fields(cls) if names is None or f.name in names}
+
+
+def _parse_all(params: dict[str, str], types: dict[str, str]) -> dict:
+    """``params`` parsed to the types of the fields of the same names ("role" is every model's);
+    an empty string keeps the default of a number or a bool."""
+    values = {}
+    for name, raw in params.items():
+        if name not in types:
+            if name == "role":
+                continue
+            raise ValueError(f"parameter '{name}': unknown (known: {', '.join(types)})")
+        if raw == "" and types[name] != "str":
+            continue
+        values[name] = _parse(name, raw, types[name])
+    return values
 
 
 def _parse(name: str, raw: str, kind: str):
@@ -159,6 +299,6 @@ def _parse(name: str, raw: str, kind: str):
             if raw.lower() not in ("true", "false"):
                 raise ValueError
             return raw.lower() == "true"
-        return {"int": int, "float": float, "str": str}[kind](raw)
+        return _PY_TYPES[kind](raw)
     except ValueError:
         raise ValueError(f"parameter '{name}': expected a {kind}, got {raw!r}") from None

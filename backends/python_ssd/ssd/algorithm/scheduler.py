@@ -36,6 +36,8 @@ from .rounds import SPLIT_CHOICES, Choice, RoundRecord
 
 @dataclass
 class PolicyConfig:
+    """The scheduler's knobs: the `ssd` model's parameters of the same names set them (config.py)."""
+
     half_life_s: float = 120.0  # seconds of decoding after which a round's record weighs half
     prior_rounds: float = 1.0  # the cost model's prediction counts as one measured round: it ranks roughly
     explore: float = 0.35  # UCB width, a share of the choice's own estimate: tries a choice whose prior is close
@@ -43,6 +45,15 @@ class PolicyConfig:
     tree_slack: float = 0.25  # share of a verify the speculation tree's extra branches may cost
     k_margin: float = 0.10  # a shorter K must predict this much more: per-round costs favour fewer rounds
     flat_rows: int = 32  # rows a forward holds at one row's cost when nothing larger was measured
+
+    def validate(self) -> None:
+        """Raises ValueError naming the knob (the `ssd` model's parameter of the same name)."""
+        for name in ("half_life_s", "prior_rounds", "flat_rows"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"parameter '{name}': must be > 0, got {getattr(self, name)}")
+        for name in ("explore", "hysteresis", "tree_slack", "k_margin"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"parameter '{name}': must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass

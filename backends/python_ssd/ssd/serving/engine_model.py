@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
+from ..config import EngineConfig
 from ..engine.meta import resolve_engine_dir
 from ..workers.factory import build_worker
 from ..workers.protocol import CallError, decode_calls, encode_results, worker_method
@@ -29,14 +30,12 @@ def live_state(worker) -> tuple[int, int]:
 
 
 class EngineModel:
-    def __init__(self, config: dict, params: dict[str, str], role: str):
-        self.role = role
-        engine = params.get("engine")
-        self.worker = build_worker(role, params, resolve_engine_dir(engine) if engine else None)
+    def __init__(self, config: dict, cfg: EngineConfig):
+        self.role = role = cfg.role
+        self.worker = build_worker(cfg, resolve_engine_dir(cfg.engine) if cfg.engine else None)
         if role == "target":  # the orchestrator's coalescer raises it while a call waits for this model
             self.worker.waiting = WaitingFlag.for_target(config.get("name", role))
-        self.placement = Placement(getattr(self.worker, "engine", None), params.get("cores", ""),
-                                   params.get("wide_cores", ""), params.get("threads", ""))
+        self.placement = Placement(getattr(self.worker, "engine", None), cfg.cores, cfg.wide_cores, cfg.threads)
         # what this engine holds, on Triton's /metrics: the soak and the tests read leaks from it
         fam = pb_utils.MetricFamily
         model = config.get("name", role)

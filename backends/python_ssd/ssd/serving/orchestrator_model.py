@@ -39,10 +39,10 @@ SERVER_STARTING = "Server not ready"  # Triton's answer to a BLS call before the
 
 class OrchestratorModel:
     def __init__(self, config: dict, params: dict[str, str]):
-        self.cfg = cfg = ServerConfig.from_parameters(params)
+        self.cfg = cfg = ServerConfig.from_parameters(params, config.get("name", "ssd"))
         self.codec = TextCodec(resolve_engine_dir(cfg.tokenizer))
         self.defaults = cfg.decode_defaults()
-        self.shared = SharedState(policy=Scheduler(forced_mode=cfg.force_mode or None,
+        self.shared = SharedState(policy=Scheduler(cfg.policy, forced_mode=cfg.force_mode or None,
                                                    forced_backup=cfg.force_backup or None),
                                   max_verify_rows=cfg.max_verify_rows, wide_threads=cfg.wide_threads,
                                   ar_steps=cfg.ar_steps)

@@ -29,11 +29,11 @@ def pin_all_threads(cores: set[int]) -> None:
 
 
 class Placement:
-    def __init__(self, engine, cores: str, wide_cores: str, threads: str):
+    def __init__(self, engine, cores: str, wide_cores: str, threads: int):
         self.engine = engine
         self.cores = parse_cores(cores)
         self.wide_cores = parse_cores(wide_cores) | self.cores
-        self.base = int(threads or 0) or 1
+        self.base = threads or 1
         self.current = self.base
         self.enabled = hasattr(engine, "set_threads") and len(self.wide_cores) > len(self.cores)
         self.checked: dict[int, bool] = {}  # thread count -> the engine allows it (checked once)

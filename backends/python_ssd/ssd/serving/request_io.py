@@ -6,12 +6,12 @@ the server carries on with the other requests.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import triton_python_backend_utils as pb_utils
 
 from ..algorithm.sampling import SamplingParams
-from ..config import DecodeConfig
+from ..config import DECODE_INPUTS, DecodeConfig
 
 
 @dataclass
@@ -80,15 +80,11 @@ def parse_request(request, defaults: DecodeConfig, default_max_tokens: int, max_
     stop_arr = _value(request, "stop")
     stop = [s.decode("utf-8") if isinstance(s, bytes) else str(s) for s in stop_arr] if stop_arr is not None else []
     stop = [s for s in stop if s]
-    k = _scalar(request, "num_draft_tokens", int, defaults.k)
-    decode = DecodeConfig(
-        mode=_scalar(request, "mode", str, defaults.mode).lower(), k=k,
-        fanout_budget=_scalar(request, "fanout_budget", int, max(defaults.fanout_budget, k + 1)),
-        fanout_shape=_scalar(request, "fanout_shape", str, defaults.fanout_shape),
-        saguaro_c=_scalar(request, "saguaro_c", float, defaults.saguaro_c),
-        backup=_scalar(request, "backup", str, defaults.backup).lower(),
-        step_aside=_scalar(request, "step_aside", bool, defaults.step_aside),
-        adaptive_k=_scalar(request, "adaptive_k", bool, defaults.adaptive_k))
+    given = {fld: _scalar(request, name, kind, None) for name, (fld, kind) in DECODE_INPUTS.items()}
+    given = {f: v.lower() if isinstance(v, str) else v for f, v in given.items() if v is not None}
+    decode = replace(defaults, **given)
+    if "fanout_budget" not in given:  # the default budget grows with a larger K
+        decode.fanout_budget = max(defaults.fanout_budget, decode.k + 1)
     decode.validate()  # the same limits as the server's defaults (config.py)
     return GenerateRequest(
         text=text, max_tokens=max_tokens, params=SamplingParams(temperature, top_p, top_k), seed=seed,

@@ -1,4 +1,4 @@
-"""Builds the worker an engine model serves, from its config parameters (no Triton imports here).
+"""Builds the worker an engine model serves, from its EngineConfig (ssd/config.py; no Triton imports here).
 
 `engine_backend` picks the runtime: `torch` (the CPU/GPU torch engine, every role), `openvino`
 (the CPU OpenVINO engine, every role), `llamacpp` (the CPU target on llama.cpp, from the GGUF file)
@@ -12,52 +12,45 @@ there): the GPU drafter (engine/static_engine.py).
 """
 from __future__ import annotations
 
-BACKENDS = ("torch", "openvino", "llamacpp", "tensorrt_llm")
+from dataclasses import replace
+
+from ..config import EngineConfig
 
 
-def build_worker(role: str, params: dict[str, str], engine_dir: str | None):
-    if role == "fast_backup":
+def build_worker(cfg: EngineConfig, engine_dir: str | None):
+    if cfg.role == "fast_backup":
         from .fast_backup import NgramWorker
-        return NgramWorker(int(params.get("ngram_max", "4") or 4), int(params.get("ngram_min", "1") or 1))
-    backend = params.get("engine_backend") or _folder_runtime(engine_dir) or "torch"
-    if backend not in BACKENDS:
-        raise ValueError(f"parameter 'engine_backend' must be one of {BACKENDS}, got {backend!r}")
-    if backend in ("tensorrt_llm", "llamacpp") and role != "target":
-        raise ValueError(f"parameter 'engine_backend': {backend} serves the target only; the {role} "
-                         "speculates with tree rows, which needs engine_backend 'torch' or 'openvino'")
+        return NgramWorker(cfg.ngram_max, cfg.ngram_min)
+    # the folder's runtime is checked as a configured one is (the drafter takes no target-only runtime)
+    backend = cfg.engine_backend or _folder_runtime(engine_dir) or "torch"
+    replace(cfg, engine_backend=backend).validate()
     if backend == "tensorrt_llm":
         from ..engine.meta import trtllm_engine_dir
         from ..engine.trtllm_engine import TrtllmEngine
         from .trtllm_target import TrtllmTargetWorker
-        ids = [int(x) for x in (params.get("gpu_device_ids") or "").split(",") if x.strip()]
+        ids = [int(x) for x in cfg.gpu_device_ids.split(",") if x.strip()]
         return TrtllmTargetWorker(TrtllmEngine(trtllm_engine_dir(engine_dir), device_ids=ids or None))
-    threads = int(params.get("threads") or 0) or None
-    exact = params.get("batch_invariant", "true").lower() == "true"
-    max_sequences = int(params.get("max_sequences") or 64)
+    threads = cfg.threads or None
     if backend == "llamacpp":
         from ..engine.llamacpp_engine import LlamaCppEngine
-        return _worker(role, LlamaCppEngine(engine_dir, threads=threads, exact=exact,
-                                            max_sequences=int(params.get("max_sequences") or 16),
-                                            max_len=int(params.get("max_len") or 4096),
-                                            cache_ram_mb=float(params.get("cache_ram_mb") or 0)))
+        return _worker(cfg.role, LlamaCppEngine(engine_dir, threads=threads, exact=cfg.batch_invariant,
+                                                max_sequences=cfg.max_sequences, max_len=cfg.max_len,
+                                                cache_ram_mb=cfg.cache_ram_mb))
     if backend == "openvino":
         from ..engine.ov_engine import OpenVinoEngine
-        weights = params.get("ov_weights") or _folder_meta(engine_dir).get("ov_weights") or "bf16"
-        return _worker(role, OpenVinoEngine(engine_dir, weights=weights, threads=threads, exact=exact,
-                                            max_sequences=max_sequences))
+        weights = cfg.ov_weights or _folder_meta(engine_dir).get("ov_weights") or "bf16"
+        return _worker(cfg.role, OpenVinoEngine(engine_dir, weights=weights, threads=threads,
+                                                exact=cfg.batch_invariant, max_sequences=cfg.max_sequences))
     from ..engine.engine import TorchEngine
-    kw = dict(dtype=params.get("dtype") or None, threads=threads, exact=exact, max_sequences=max_sequences,
-              head_vocab=int(params.get("head_vocab") or 0),
-              device=params.get("device") or "cpu", weight_quant=params.get("weight_quant") or "")
-    static_len = int(params.get("static_kv_len") or 0)
-    if static_len > 0:
+    kw = dict(dtype=cfg.dtype or None, threads=threads, exact=cfg.batch_invariant, max_sequences=cfg.max_sequences,
+              head_vocab=cfg.head_vocab, device=cfg.device or "cpu", weight_quant=cfg.weight_quant)
+    if cfg.static_kv_len > 0:
         from ..engine.static_engine import StaticEngine
-        graphs = (params.get("cuda_graphs") or "").lower()
-        engine = StaticEngine(engine_dir, static_len=static_len, cuda_graphs=None if not graphs else graphs == "true",
-                              **kw)
+        graphs = None if not cfg.cuda_graphs else cfg.cuda_graphs == "true"
+        engine = StaticEngine(engine_dir, static_len=cfg.static_kv_len, cuda_graphs=graphs, **kw)
     else:
         engine = TorchEngine(engine_dir, **kw)
-    return _worker(role, engine)
+    return _worker(cfg.role, engine)
 
 
 def _folder_meta(engine_dir: str | None) -> dict:
