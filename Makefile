@@ -57,8 +57,7 @@ clean:
 
 # Locust sweep (concurrency x mode) against a server started here or --url; see README "Load tests".
 LOADTEST_ARGS ?=
-loadtest: SETUP_ARGS = --dev
-test: $(DEV_STAMP)
+loadtest: $(DEV_STAMP)
 	$(PY) loadtest/sweep.py $(LOADTEST_ARGS)
 
 # NVIDIA AIPerf against the OpenAI endpoint of a running `make serve` (small scale; see loadtest/aiperf_run.py).
