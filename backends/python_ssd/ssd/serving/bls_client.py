@@ -61,6 +61,11 @@ class BLSClient:
     async def release(self, seq_id: str) -> None:
         await self.release_many([seq_id])
 
+    async def ping(self, model: str = "target") -> None:
+        """A no-op call (releasing an unknown sequence); raises CallError with Triton's message where
+        the call fails, as every BLS call does while the server starts ("Server not ready")."""
+        await self._send(model, "release", [ReleaseCall("__ping")])
+
     async def release_many(self, seq_ids: list[str]) -> None:
         """One message an engine for all of ``seq_ids``."""
         for model in ("target", "drafter", "backup"):

@@ -25,7 +25,7 @@ from ..decoding.generator import Generation, SharedState
 from ..decoding.stopping import StopChecker
 from ..decoding.text import TextCodec
 from ..engine.meta import resolve_engine_dir
-from ..workers.protocol import ReleaseCall
+from ..workers.protocol import CallError
 from ..workers.waiting import WaitingFlag, remove_stale
 from .bls_client import BLSClient
 from . import errors
@@ -54,7 +54,6 @@ class OrchestratorModel:
                 json.dumps({"t": round(time.time(), 3), **ev}) + "\n")
         # concurrent sequences reach the engines together (see decoding/coalescer.py); 0 disables
         self.bls = bls = BLSClient()
-        self.models = bls.models
         remove_stale()  # flags of servers killed before they could unlink theirs
         self.waiting = WaitingFlag.for_target(bls.models["target"])
         self.client = CoalescingClient(bls, expected=lambda: self.shared.active,
@@ -164,28 +163,17 @@ class OrchestratorModel:
             return False
         return True
 
-    async def _engines_loaded(self, timeout: float = 900.0) -> None:
-        """Waits until Triton has loaded the engine models. The first request the orchestrator sees
-        is its model_warmup sample (config.pbtxt), which Triton runs while it loads the models side
-        by side: the calibration it triggers must not call an engine before that engine is READY."""
-        deadline = time.monotonic() + timeout
-        for model in (self.models["target"], self.models["drafter"]):  # the engines calibration times
-            while not await asyncio.to_thread(pb_utils.is_model_ready, model):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"engine model '{model}' not ready after {timeout:.0f} s")
-                await asyncio.sleep(0.2)
-
     async def _measure_costs(self) -> bool:
         batch = self.cfg.max_active_requests
         if self.cfg.max_verify_rows:  # the largest batch whose two-row verify is one tile
             batch = max(1, min(batch, self.cfg.max_verify_rows // 2))
-        try:  # both raise SERVER_STARTING while the server starts
-            await self._engines_loaded()
-            await self.bls.call_many("release", [ReleaseCall("__server_ready_probe")])
-        except Exception as e:  # noqa: BLE001 - pb_utils raises its own exception class
+        try:  # the engines calibration times; tools/triton_launcher.py loads them first
+            for model in ("target", "drafter"):
+                await self.bls.ping(model)
+        except CallError as e:
             if SERVER_STARTING in str(e):
                 return False
-            print(f"ssd: the engine models are not ready ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+            print(f"ssd: an engine model does not answer ({e})", file=sys.stderr, flush=True)
         if self.cfg.force_mode:
             return True
         try:
