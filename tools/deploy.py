@@ -42,7 +42,8 @@ ORCHESTRATOR_INPUTS = [("text_input", "TYPE_STRING", False), ("max_tokens", "TYP
                        ("mode", "TYPE_STRING", True), ("num_draft_tokens", "TYPE_INT32", True),
                        ("fanout_budget", "TYPE_INT32", True), ("fanout_shape", "TYPE_STRING", True),
                        ("saguaro_c", "TYPE_FP32", True), ("backup", "TYPE_STRING", True),
-                       ("step_aside", "TYPE_BOOL", True), ("adaptive_k", "TYPE_BOOL", True)]
+                       ("step_aside", "TYPE_BOOL", True), ("adaptive_k", "TYPE_BOOL", True),
+                       ("timeout_s", "TYPE_FP32", True)]
 ORCHESTRATOR_OUTPUTS = [("text_output", "TYPE_STRING", "-1"), ("output_ids", "TYPE_INT32", "-1"),
                         ("finish_reason", "TYPE_STRING", "1"), ("stats", "TYPE_STRING", "1")]
 
