@@ -172,12 +172,20 @@ class OrchestratorModel:
         if not admitted:
             self._cancelled_before_decoding(sender, req)
             return
-        try:
-            await self._reserve_and_decode(request, sender, req, prompt, deadline)
-        finally:
-            self.slots.release()
+        freed = False
 
-    async def _reserve_and_decode(self, request, sender, req, prompt, deadline: float | None) -> None:
+        def free_slot() -> None:
+            nonlocal freed
+            if not freed:
+                freed = True
+                self.slots.release()
+
+        try:
+            await self._reserve_and_decode(request, sender, req, prompt, deadline, free_slot)
+        finally:
+            free_slot()
+
+    async def _reserve_and_decode(self, request, sender, req, prompt, deadline: float | None, free_slot) -> None:
         reserve = len(prompt) + req.max_tokens + req.decode.k + 1
         try:
             reserved = await self._unless_cancelled(request, self.kv.acquire(reserve))
@@ -192,7 +200,7 @@ class OrchestratorModel:
             return
         try:
             if await self._unless_cancelled(request, self._calibrated()):
-                await self._decode(request, sender, req, prompt, deadline)
+                await self._decode(request, sender, req, prompt, deadline, free_slot)
             else:
                 self._cancelled_before_decoding(sender, req)
         finally:
@@ -219,7 +227,7 @@ class OrchestratorModel:
             print(f"ssd: measuring the engines' costs failed ({type(e).__name__}: {e}); the scheduler "
                   "learns them from the rounds", file=sys.stderr, flush=True)
 
-    async def _decode(self, request, sender, req, prompt, deadline: float | None) -> None:
+    async def _decode(self, request, sender, req, prompt, deadline: float | None, free_slot) -> None:
         seq_id = uuid.uuid4().hex
         gen = Generation(self.client, seq_id, prompt, req.params, req.seed, req.decode, self.shared, req.max_tokens)
         checker = StopChecker(self.codec.decode, req.max_tokens, self.codec.eos_ids, req.stop)
@@ -244,6 +252,9 @@ class OrchestratorModel:
                         break
             finally:
                 await agen.aclose()
+                # the slot is free before the client hears the end: a client that sends its next
+                # request at once finds it free (the engines' clean-up below runs meanwhile)
+                free_slot()
             gen.stats.new_tokens = len(checker.tokens)  # what the client got, after stop conditions
             stats = gen.stats.to_dict()
             pol, dc = self.shared.policy, req.decode
