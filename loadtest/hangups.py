@@ -9,7 +9,8 @@ client is a process that is killed) and times how long the server takes to get b
 was: the active-requests gauge (the request slots) and every engine's live sequences (their KV).
 The requests' outcomes (`ssd_requests_total` by status) say what ended them: `cancelled` (the
 server saw the hang-up), `timeout` (the request's deadline, `timeout_s`) or `ok` (it ran to its end).
-Run it on an idle server: other traffic moves the same gauges.
+Run it on an idle server (other traffic moves the same gauges) whose `max_active_requests` is at
+least --clients; a `generate` request must be decoding before its deadline (--generate-timeout-s).
 """
 from __future__ import annotations
 
@@ -222,6 +223,11 @@ def main() -> None:
         urls["openai_model"] = openai_model(a.openai)
     else:
         endpoints = [e for e in endpoints if not e.startswith("openai")]
+    # the first request waits for the engines' cost calibration: not a hang-up's cost
+    req = urllib.request.Request(a.url.rstrip("/") + "/v2/models/ssd/generate",
+                                 data=json.dumps({"text_input": "Hi", "max_tokens": 4, "mode": a.mode}).encode())
+    with urllib.request.urlopen(req, timeout=600) as r:
+        r.read()
     rows = []
     for e in endpoints:
         rows.append(measure(e, a.clients, urls, a.max_tokens, a.generate_timeout_s, mode=a.mode))
