@@ -1,11 +1,13 @@
-"""The KV budget's admission control (decoding/admission.py): fit, wait in order, refuse."""
+"""Admission control (decoding/admission.py): request slots and the KV budget: fit, wait in order, refuse."""
 from __future__ import annotations
 
 import asyncio
+import re
+import time
 
 import pytest
 
-from ssd.decoding.admission import BudgetExceeded, KvBudget
+from ssd.decoding.admission import BudgetExceeded, KvBudget, RequestSlots, Turnover
 
 
 def test_requests_that_fit_are_admitted_and_released():
@@ -86,3 +88,83 @@ def test_error_messages_map_to_the_status_they_stand_for():
     assert errors.http_status("input 'top_p': must be in (0, 1], got 1.5") == 400
     # the KV budget's refusal after a wait is a busy server too
     assert KvBudget(1, max_wait=0.01) and errors.http_status("server busy: KV budget full") == 503
+
+
+def test_a_request_over_the_slot_limit_waits_in_order_and_gets_the_next_free_slot():
+    async def go():
+        slots, seen = RequestSlots(limit=2, max_wait=60, max_queued=4), []
+        slots.on_queue = seen.append
+        await slots.acquire()
+        await slots.acquire()
+        order = []
+
+        async def want(name):
+            await slots.acquire()
+            order.append(name)
+
+        first = asyncio.ensure_future(want("first"))
+        await asyncio.sleep(0)
+        second = asyncio.ensure_future(want("second"))
+        await asyncio.sleep(0)
+        assert order == [] and slots.waiting == 2 and seen[-1] == 2  # the queue's gauge follows it
+        slots.release()
+        await first
+        assert order == ["first"] and slots.held == 2 and slots.waiting == 1
+        slots.release()
+        await second
+        assert order == ["first", "second"] and slots.waiting == 0 and seen[-1] == 0
+    asyncio.run(go())
+
+
+def test_a_slot_wait_that_runs_out_is_refused_with_the_seconds_to_wait():
+    async def go():
+        slots = RequestSlots(limit=1, max_wait=0.05, max_queued=4)
+        await slots.acquire()
+        with pytest.raises(BudgetExceeded) as e:
+            await slots.acquire()
+        msg = str(e.value)
+        assert e.value.retryable and msg.startswith("server busy: ") and "max_active_requests=1" in msg, msg
+        assert "queue_wait_s=0.05" in msg and re.search(r"retry in [1-9]\d* s$", msg), msg
+        assert slots.waiting == 0 and slots.held == 1
+    asyncio.run(go())
+
+
+def test_a_full_queue_and_no_queue_refuse_at_once():
+    async def go():
+        full = RequestSlots(limit=1, max_wait=60, max_queued=1)
+        await full.acquire()
+        waiter = asyncio.ensure_future(full.acquire())
+        await asyncio.sleep(0)
+        with pytest.raises(BudgetExceeded) as e:
+            await full.acquire()
+        assert "max_queued_requests=1" in str(e.value)
+        waiter.cancel()
+        none = RequestSlots(limit=1, max_wait=0, max_queued=8)
+        await none.acquire()
+        with pytest.raises(BudgetExceeded) as e:
+            await none.acquire()
+        assert "queue_wait_s=0" in str(e.value)
+    asyncio.run(go())
+
+
+def test_a_cancelled_slot_waiter_leaves_the_queue_and_takes_no_slot():
+    async def go():
+        slots = RequestSlots(limit=1, max_wait=60, max_queued=4)
+        await slots.acquire()
+        t = asyncio.ensure_future(slots.acquire())
+        await asyncio.sleep(0)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        assert slots.waiting == 0 and slots.held == 1
+        slots.release()
+        assert slots.held == 0
+    asyncio.run(go())
+
+
+def test_retry_after_follows_the_rate_at_which_requests_end():
+    t = Turnover(fallback_s=30)
+    assert t.retry_after(ahead=0) == 30  # nothing ended yet: the queue's own wait
+    now = time.monotonic()
+    t._ends.extend([now - 10 + i for i in range(10)])  # ten ends in the last ten seconds: 1 a second
+    assert t.retry_after(ahead=0) in (1, 2) and 4 <= t.retry_after(ahead=4) <= 6

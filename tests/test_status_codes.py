@@ -4,7 +4,8 @@ The `ssd` model codes a busy refusal and an engine failure UNAVAILABLE (its mess
 `server busy:` / `engine unavailable:`). The OpenAI frontend turns them into 503s. Triton's HTTP
 generate endpoints answer every model error with 400 in tritonserver 2.51 and its gRPC stream
 carries the message without a status, so their clients read the prefix (docs/reliability.md).
-A busy refusal is provoked with max_active_requests=1 and one request decoding; an engine failure
+A busy refusal is provoked with max_active_requests=1, no queue (queue_wait_s=0) and one request
+decoding; it says how long to wait (`retry in N s`, and `Retry-After` on the OpenAI API). An engine failure
 by SIGKILL of the target's stub, with kv_wait_s=0 so a request does not wait for the reload.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import http.client
 import json
 import os
 import queue
+import re
 import signal
 import urllib.request
 
@@ -30,7 +32,7 @@ CHAT = [{"role": "user", "content": "Say hi."}]
 
 @pytest.fixture(scope="module")
 def srv(engine_root, tmp_path_factory):
-    s = start_tiny_server(engine_root, tmp_path_factory, max_active_requests="1", kv_wait_s="0")
+    s = start_tiny_server(engine_root, tmp_path_factory, max_active_requests="1", queue_wait_s="0", kv_wait_s="0")
     yield s
     s.stop()
 
@@ -92,11 +94,15 @@ def test_a_busy_refusal_is_503_where_the_endpoint_can_say_so(srv, client):
             client.chat.completions.create(model=TARGET, messages=CHAT, max_tokens=4)
         assert e.value.status_code == 503 and e.value.code == "server_busy", e.value
         assert "max_active_requests=1" in e.value.message
+        retry = re.search(r"retry in (\d+) s", e.value.message)
+        assert retry and int(retry.group(1)) >= 1, e.value.message
+        assert e.value.response.headers["Retry-After"] == retry.group(1)
 
         for path in ("generate", "generate_stream"):
             status, body = _post(srv, {"text_input": "Say hi.", "max_tokens": 4}, path=path)
             err = json.loads(body.removeprefix("data:").strip())["error"]
             assert err.startswith(BUSY) and http_status(err) == 503, err
+            assert re.search(r"retry in \d+ s$", err), err
             assert status == _generate_status(srv, 503), (path, status, body)
 
         message, status = _grpc_stream_error(srv)

@@ -43,7 +43,8 @@ ORCHESTRATOR_INPUTS = [("text_input", "TYPE_STRING", False), ("max_tokens", "TYP
                        ("temperature", "TYPE_FP32", True), ("top_p", "TYPE_FP32", True),
                        ("top_k", "TYPE_INT32", True), ("seed", "TYPE_INT64", True), ("stop", "TYPE_STRING", True),
                        ("stream", "TYPE_BOOL", True), ("apply_chat_template", "TYPE_BOOL", True)] + \
-                      [(name, TRITON_TYPES[kind], True) for name, (_, kind) in DECODE_INPUTS.items()]
+                      [(name, TRITON_TYPES[kind], True) for name, (_, kind) in DECODE_INPUTS.items()] + \
+                      [("timeout_s", "TYPE_FP32", True)]
 ORCHESTRATOR_OUTPUTS = [("text_output", "TYPE_STRING", "-1"), ("output_ids", "TYPE_INT32", "-1"),
                         ("finish_reason", "TYPE_STRING", "1"), ("stats", "TYPE_STRING", "1")]
 

@@ -15,9 +15,9 @@ import numpy as np
 from ssd.config import DECODE_INPUTS
 from ssd_openai.errors import ApiError
 
-# SSD's knobs (DecodeConfig's inputs) and top_k, accepted as extra body fields and passed through as
-# the generate inputs of the same name
-SSD_FIELDS = {name: kind for name, (_, kind) in DECODE_INPUTS.items()} | {"top_k": int}
+# SSD's knobs (DecodeConfig's inputs), top_k and the deadline, accepted as extra body fields and
+# passed through as the generate inputs of the same name
+SSD_FIELDS = {name: kind for name, (_, kind) in DECODE_INPUTS.items()} | {"top_k": int, "timeout_s": float}
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 

@@ -7,6 +7,10 @@ with `data: [DONE]`, or whole). Every request becomes one request to the decoupl
 a Triton gRPC stream, so the `ssd` model stays the single implementation of decoding; this process
 only translates. SSD's knobs (`mode`, `num_draft_tokens`, ...) are accepted as extra body fields and
 each response carries the request's statistics in the extra field `ssd_stats`.
+
+A client that hangs up cancels its request: aiohttp cancels the handler when the connection is
+lost (``handler_cancellation``), streamed or whole, and closing the gRPC stream makes Triton cancel
+the request, which the `ssd` model notices within a round.
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ from ssd_openai.triton_stream import generate
 
 
 def _error_response(e: ApiError) -> web.Response:
-    return web.json_response(e.body(), status=e.status)
+    headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
+    return web.json_response(e.body(), status=e.status, headers=headers)
 
 
 class OpenAIFrontend:
@@ -191,7 +196,8 @@ def main() -> None:
     a = ap.parse_args()
     frontend = OpenAIFrontend(a.tokenizer, a.triton, a.model_name or a.tokenizer.resolve().name)
     print(f"[openai] serving '{frontend.model_id}' on http://{a.host}:{a.port}/v1 (Triton gRPC {a.triton})", flush=True)
-    web.run_app(frontend.app(), host=a.host, port=a.port, print=None, access_log=None)
+    # a lost connection cancels its handler, and so its gRPC stream to Triton (triton_stream.py)
+    web.run_app(frontend.app(), host=a.host, port=a.port, print=None, access_log=None, handler_cancellation=True)
 
 
 if __name__ == "__main__":

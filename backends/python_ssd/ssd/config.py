@@ -96,6 +96,14 @@ class ServerConfig:
     max_seq_len: int = 2048
     coalesce_window_ms: float = 50.0  # longest a call waits for the batch's other calls (0: no barrier)
     max_active_requests: int = 16
+    # more requests wait for a slot, first come first served (decoding/admission.py): at most
+    # max_queued_requests of them, each up to queue_wait_s, then "server busy ... retry in N s"
+    queue_wait_s: float = 30.0
+    max_queued_requests: int = 64
+    # a request's deadline (its `timeout_s` input; 0: none), from arrival: past it the generation
+    # stops with finish_reason "timeout". The one bound on a non-streamed HTTP generate whose client
+    # hung up: Triton's HTTP frontend tells the model nothing then (docs/reliability.md)
+    request_timeout_s: float = 300.0
     # K is lowered until batch x (K + 1) verify rows fit: the batch-invariant CPU target runs larger
     # forwards as several GEMM tiles (0: no cap)
     max_verify_rows: int = 32
@@ -157,6 +165,9 @@ class ServerConfig:
               f"must exceed max_tokens_limit ({self.max_tokens_limit}), got {self.max_seq_len}")
         check(self.coalesce_window_ms >= 0, "coalesce_window_ms", f"must be >= 0, got {self.coalesce_window_ms}")
         check(self.max_active_requests >= 1, "max_active_requests", f"must be >= 1, got {self.max_active_requests}")
+        check(self.queue_wait_s >= 0, "queue_wait_s", f"must be >= 0, got {self.queue_wait_s}")
+        check(self.max_queued_requests >= 0, "max_queued_requests", f"must be >= 0, got {self.max_queued_requests}")
+        check(self.request_timeout_s >= 0, "request_timeout_s", f"must be >= 0, got {self.request_timeout_s}")
         check(self.max_verify_rows >= 0, "max_verify_rows", f"must be >= 0, got {self.max_verify_rows}")
         check(self.wide_threads >= 0, "wide_threads", f"must be >= 0, got {self.wide_threads}")
         check(1 <= self.ar_steps <= AR_STEPS_MAX, "ar_steps", f"must be in 1..{AR_STEPS_MAX}, got {self.ar_steps}")

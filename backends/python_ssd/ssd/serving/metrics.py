@@ -27,6 +27,8 @@ class Metrics:
             "current": fam("ssd_policy_current_choice", "1 for the choice the policy currently runs", G),
             "active": fam("ssd_active_requests", "Requests currently decoding (the batch the policy plans for)", G),
             "queue": fam("ssd_rejected_busy_total", "Requests refused because the server was at capacity", C),
+            "queued": fam("ssd_queued_requests",
+                          "Requests waiting for a slot (max_active_requests), at most max_queued_requests", G),
             "klen": fam("ssd_draft_len_rounds_total", "Rounds that drafted k tokens (the policy's K per choice)", C),
             "bstar": fam("ssd_policy_b_star", "Smallest batch size at which the fast backup wins (0: never)", G),
             "restarts": fam("ssd_engine_restarts_total", "Engine models reloaded after their process died, by model", C),
@@ -62,6 +64,9 @@ class Metrics:
     def kv_state(self, reserved: int, waiting: int) -> None:
         self._metric("kv_reserved").set(reserved)
         self._metric("kv_waiting").set(waiting)
+
+    def queue_state(self, waiting: int) -> None:
+        self._metric("queued").set(waiting)
 
     def busy(self) -> None:
         self._metric("queue").increment(1)

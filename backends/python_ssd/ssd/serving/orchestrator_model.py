@@ -18,7 +18,7 @@ import triton_python_backend_utils as pb_utils
 
 from ..algorithm.scheduler import Scheduler
 from ..config import ServerConfig
-from ..decoding.admission import BudgetExceeded, KvBudget
+from ..decoding.admission import BudgetExceeded, KvBudget, RequestSlots
 from ..decoding.calibration import calibrate
 from ..decoding.coalescer import CoalescingClient
 from ..decoding.generator import Generation, SharedState
@@ -35,6 +35,9 @@ from .supervisor import EngineSupervisor, looks_like_engine_down
 
 BAD_INPUT = "INVALID_ARG"  # the server-side classes' codes are in errors.CODE
 SERVER_STARTING = "Server not ready"  # Triton's answer to a BLS call before the server is ready
+# how often a request that waits (for a slot, KV room, the cost calibration) asks Triton whether its
+# client cancelled; a decoding request asks after every round
+CANCEL_POLL_S = 0.25
 
 
 class OrchestratorModel:
@@ -62,6 +65,8 @@ class OrchestratorModel:
         self.metrics = Metrics()
         self._calibration: asyncio.Future | None = None  # the engines' costs, measured before the first decode
         self.shared.on_active = self.metrics.set_active  # the gauge follows the one count of decoding requests
+        self.slots = RequestSlots(cfg.max_active_requests, cfg.queue_wait_s, cfg.max_queued_requests)
+        self.slots.on_queue = self.metrics.queue_state
         self.kv = KvBudget(cfg.kv_budget_tokens, cfg.kv_wait_s)
         self.required_engine = "target"  # without it nothing decodes; a drafter's absence costs speed only
         self.supervisor = None
@@ -101,24 +106,48 @@ class OrchestratorModel:
             await asyncio.sleep(0.1)
         return True
 
-    def _refusal(self, n_active: int) -> tuple[str, str] | None:
+    def _refusal(self) -> tuple[str, str] | None:
         """Why a valid request cannot start now (message, code), or None."""
         if self.supervisor is not None and not self.supervisor.is_up(self.required_engine):
             return (f"{errors.UNAVAILABLE}'{self.required_engine}' is restarting after its process died; retry in a "
                     "few seconds", errors.CODE[errors.UNAVAILABLE])
-        if n_active >= self.cfg.max_active_requests:
-            return (f"{errors.BUSY}{self.shared.active} requests decoding and {self.kv.waiting} waiting "
-                    f"(max_active_requests={self.cfg.max_active_requests}); retry later", errors.CODE[errors.BUSY])
         return None
+
+    @staticmethod
+    async def _unless_cancelled(request, awaitable) -> bool:
+        """Awaits ``awaitable`` while asking Triton every CANCEL_POLL_S whether the client cancelled
+        (a gRPC stream's cancel, an HTTP stream's closed connection): False when it did, and
+        ``awaitable`` is then cancelled (a queue or budget it waited in forgets it)."""
+        task = asyncio.ensure_future(awaitable)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=CANCEL_POLL_S)
+            if done:
+                task.result()
+                return True
+            if request.is_cancelled():
+                if not task.cancel():  # it finished meanwhile: what it took is the caller's
+                    task.result()
+                    return True
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    return False
+                return True
+
+    def _cancelled_before_decoding(self, sender, req) -> None:
+        self.metrics.request_done(req.decode.mode, "cancelled", None, None)
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     # -- the request loop ---------------------------------------------------------------------------
     async def execute(self, requests):
         await asyncio.gather(*(self._handle(r) for r in requests))
 
     async def _handle(self, request) -> None:
+        arrived = time.monotonic()
         sender = request.get_response_sender()
         try:
-            req = parse_request(request, self.defaults, self.cfg.default_max_tokens, self.cfg.max_tokens_limit)
+            req = parse_request(request, self.defaults, self.cfg.default_max_tokens, self.cfg.max_tokens_limit,
+                                self.cfg.request_timeout_s)
             prompt = self.codec.encode_prompt(req.text, req.apply_chat_template)
             if len(prompt) + req.max_tokens > self.cfg.max_seq_len:
                 raise ValueError(f"input 'max_tokens': prompt ({len(prompt)} tokens) + max_tokens ({req.max_tokens}) "
@@ -128,22 +157,57 @@ class OrchestratorModel:
             self._error(sender, str(e), BAD_INPUT)
             return
         await self._target_back()
-        refusal = self._refusal(self.shared.active + self.kv.waiting)
+        refusal = self._refusal()
         if refusal is not None:
             self.metrics.busy()
             self._error(sender, *refusal)
             return
+        deadline = arrived + req.timeout_s if req.timeout_s > 0 else None
+        # over max_active_requests a request waits in the slot queue (up to queue_wait_s, or its deadline)
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            admitted = await self._unless_cancelled(request, self.slots.acquire(wait))
+        except BudgetExceeded as e:
+            self.metrics.busy()
+            self._error(sender, str(e), errors.CODE[errors.BUSY])
+            return
+        if not admitted:
+            self._cancelled_before_decoding(sender, req)
+            return
+        freed = False
+
+        def free_slot() -> None:
+            nonlocal freed
+            if not freed:
+                freed = True
+                self.slots.release()
+
+        try:
+            await self._reserve_and_decode(request, sender, req, prompt, deadline, free_slot)
+        finally:
+            free_slot()
+
+    async def _reserve_and_decode(self, request, sender, req, prompt, deadline: float | None, free_slot) -> None:
         reserve = len(prompt) + req.max_tokens + req.decode.k + 1
         try:
-            await self.kv.acquire(reserve)
+            reserved = await self._unless_cancelled(request, self.kv.acquire(reserve))
         except BudgetExceeded as e:
             self.metrics.request_done(req.decode.mode, "busy" if e.retryable else "invalid", None, None)
             self._error(sender, str(e), errors.CODE[errors.BUSY] if e.retryable else BAD_INPUT)
             return
         finally:
             self.metrics.kv_state(self.kv.reserved, self.kv.waiting)
+        if not reserved:
+            self._cancelled_before_decoding(sender, req)
+            return
         try:
-            await self._decode(request, sender, req, prompt)
+            if not await self._unless_cancelled(request, self._calibrated()):
+                self._cancelled_before_decoding(sender, req)
+            elif self._calibration is None:  # the warmup sample while the server starts: nothing to do yet
+                sender.send(self._response("", [], "length", {"skipped": "the server is starting"}),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            else:
+                await self._decode(request, sender, req, prompt, deadline, free_slot)
         finally:
             self.kv.release(reserve)
             self.metrics.kv_state(self.kv.reserved, self.kv.waiting)
@@ -155,7 +219,7 @@ class OrchestratorModel:
         measurement. A forced mode leaves the scheduler nothing to choose: no measurement.
         False when Triton still refuses BLS because the server is starting (a launcher that loads
         every model at once, not after the engines as tools/triton_launcher.py does): the sample
-        then does nothing and the first client request measures."""
+        then does nothing (``_calibration`` is None again) and the first client request measures."""
         if self._calibration is None:
             self._calibration = asyncio.ensure_future(self._measure_costs())
         if not await asyncio.shield(self._calibration):
@@ -183,11 +247,7 @@ class OrchestratorModel:
                   "learns them from the rounds", file=sys.stderr, flush=True)
         return True
 
-    async def _decode(self, request, sender, req, prompt) -> None:
-        if not await self._calibrated():  # the warmup sample while the server starts: nothing to do yet
-            sender.send(self._response("", [], "length", {"skipped": "the server is starting"}),
-                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            return
+    async def _decode(self, request, sender, req, prompt, deadline: float | None, free_slot) -> None:
         seq_id = uuid.uuid4().hex
         gen = Generation(self.client, seq_id, prompt, req.params, req.seed, req.decode, self.shared, req.max_tokens)
         checker = StopChecker(self.codec.decode, req.max_tokens, self.codec.eos_ids, req.stop)
@@ -207,8 +267,14 @@ class OrchestratorModel:
                             sent_ids = len(checker.tokens)
                     if done:
                         break
+                    if deadline is not None and time.monotonic() >= deadline:
+                        status = "timeout"  # the tokens so far go out, as TensorRT-LLM's timed-out requests
+                        break
             finally:
                 await agen.aclose()
+                # the slot is free before the client hears the end: a client that sends its next
+                # request at once finds it free (the engines' clean-up below runs meanwhile)
+                free_slot()
             gen.stats.new_tokens = len(checker.tokens)  # what the client got, after stop conditions
             stats = gen.stats.to_dict()
             pol, dc = self.shared.policy, req.decode
@@ -225,7 +291,8 @@ class OrchestratorModel:
             else:
                 text = checker.delta() if req.stream else checker.text
                 ids = checker.tokens[sent_ids:] if req.stream else checker.tokens
-                sender.send(self._response(text, ids, checker.finish_reason or "length", stats),
+                finish = "timeout" if status == "timeout" else checker.finish_reason or "length"
+                sender.send(self._response(text, ids, finish, stats),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception as e:  # noqa: BLE001 - an engine failure ends this request, not the server
             msg = f"generation failed: {type(e).__name__}: {e}"

@@ -24,6 +24,7 @@ class GenerateRequest:
     stream: bool = False
     apply_chat_template: bool = True
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    timeout_s: float = 0.0  # the request's deadline from arrival (0: none)
 
 
 def _value(request, name: str):
@@ -61,7 +62,8 @@ def _check(cond: bool, name: str, msg: str) -> None:
         raise ValueError(f"input '{name}': {msg}")
 
 
-def parse_request(request, defaults: DecodeConfig, default_max_tokens: int, max_tokens_limit: int) -> GenerateRequest:
+def parse_request(request, defaults: DecodeConfig, default_max_tokens: int, max_tokens_limit: int,
+                  default_timeout_s: float = 0.0) -> GenerateRequest:
     text = _scalar(request, "text_input", str, None)
     _check(text is not None and text != "", "text_input", "is required and must be a non-empty string")
     max_tokens = _scalar(request, "max_tokens", int, default_max_tokens)
@@ -86,9 +88,11 @@ def parse_request(request, defaults: DecodeConfig, default_max_tokens: int, max_
     if "fanout_budget" not in given:  # the default budget grows with a larger K
         decode.fanout_budget = max(defaults.fanout_budget, decode.k + 1)
     decode.validate()  # the same limits as the server's defaults (config.py)
+    timeout_s = _scalar(request, "timeout_s", float, default_timeout_s)
+    _check(timeout_s >= 0.0 and timeout_s == timeout_s, "timeout_s", f"must be >= 0 (0: no deadline), got {timeout_s}")
     return GenerateRequest(
         text=text, max_tokens=max_tokens, params=SamplingParams(temperature, top_p, top_k), seed=seed,
         stop=stop, stream=_scalar(request, "stream", bool, False),
         apply_chat_template=_scalar(request, "apply_chat_template", bool, True),
-        decode=decode,
+        decode=decode, timeout_s=timeout_s,
     )
