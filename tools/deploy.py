@@ -132,11 +132,33 @@ def render_model(name: str, spec: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _param(spec: dict, key: str) -> str | None:
+    for item in spec.get("parameters") or []:
+        if isinstance(item, dict) and key in item:
+            return item[key]
+    return None
+
+
+def check_limits(models: dict) -> None:
+    """Every engine that keeps a sequence per active request holds as many as the orchestrator admits
+    (a drafter that evicts a live sequence recomputes its prefix every round)."""
+    active = [int(_param(m, "max_active_requests") or 0) for m in models.values()
+              if (m or {}).get("interface") == "orchestrator"]
+    if not active or not active[0]:
+        return
+    for name, m in models.items():
+        held = _param(m or {}, "max_sequences")
+        if held is not None and int(held) < active[0]:
+            raise SpecError(f"models.{name}.parameters.max_sequences {held} is below the orchestrator's "
+                            f"max_active_requests {active[0]}")
+
+
 def render(spec: dict) -> dict[str, str]:
     """model name -> config.pbtxt text."""
     models = spec.get("models")
     if not isinstance(models, dict) or not models:
         raise SpecError("the spec needs a `models:` mapping")
+    check_limits(models)
     return {name: render_model(name, m or {}) for name, m in models.items()}
 
 
