@@ -88,7 +88,7 @@ def spec_limits(spec: dict | None) -> dict[str, dict]:
               .get("max_active_requests") for m in models.values() if m.get("interface") == "orchestrator"]
     out = {}
     for name, m in models.items():
-        if m.get("engine") != "tensorrt_llm":
+        if m.get("engine") != "tensorrt_llm" and m.get("interface") != "tensorrtllm":
             continue
         params = dict(p for item in (m.get("parameters") or []) if isinstance(item, dict) for p in item.items())
         engine = params.get("engine")

@@ -51,7 +51,11 @@ class OrchestratorModel:
             self.shared.policy.trace = lambda ev: self._trace_file.write(
                 json.dumps({"t": round(time.time(), 3), **ev}) + "\n")
         # concurrent sequences reach the engines together (see decoding/coalescer.py); 0 disables
-        bls = BLSClient()
+        if cfg.target_backend == "tensorrtllm":  # the target is Triton's TensorRT-LLM backend
+            from .trtllm_backend_client import TrtllmBackendClient
+            bls = TrtllmBackendClient(cfg.target_vocab_size)
+        else:
+            bls = BLSClient()
         remove_stale()  # flags of servers killed before they could unlink theirs
         self.waiting = WaitingFlag.for_target(bls.models["target"])
         self.client = CoalescingClient(bls, expected=lambda: self.shared.active,
