@@ -253,3 +253,20 @@ def test_sizes_come_from_the_deployment_spec(tmp_path: Path) -> None:
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
     with pytest.raises(BuildError, match="another-model"):
         make_plans(ROOT / "engines/default.yaml", tmp_path / "e", tmp_path / "t", "python", tmp_path / "spec.yaml")
+
+
+def test_the_host_check_renders_a_one_gpu_backend_layout(tmp_path: Path) -> None:
+    """tools/trtllm_host_check.py (for a GPU host in the TensorRT-LLM image) in its dry run: the
+    one-GPU spec renders, the target is a tensorrtllm model on GPU 0 whose engine the build plan
+    makes with tp_size 1 and the orchestrator's 8 requests."""
+    r = subprocess.run([PY, "tools/trtllm_host_check.py", "--dry-run", "--work", str(tmp_path / "w"),
+                        "--out", str(tmp_path / "r.json")], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={"PATH": f"{Path(PY).parent}:/usr/bin:/bin", "PYTHON": PY})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["ok"] is True
+    target = (tmp_path / "w/model_repository/target/config.pbtxt").read_text()
+    engine = tmp_path.resolve() / "w/engines/trtllm/smollm2-135m"
+    assert 'backend: "tensorrtllm"' in target and f'string_value: "{engine}"' in target
+    assert 'key: "gpu_device_ids" value: { string_value: "0" }' in target
+    line = build_line(r.stdout, "smollm2-135m")
+    assert "--max_batch_size 8 " in line and "--tp_size 1 " in r.stdout
