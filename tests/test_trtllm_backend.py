@@ -173,7 +173,7 @@ def test_greedy_sd_and_ssd_through_the_backend_equal_ar(backend_server, referenc
         for prompt, ref in reference.items():
             got = post(backend_server, {"text_input": prompt, "max_tokens": MAX_TOKENS, "mode": mode})
             assert got["output_ids"] == ref, (mode, prompt)
-            if mode != "ar":
+            if mode == "sd":  # (ssd's scheduler may step aside to AR rounds)
                 assert json.loads(got["stats"])["acceptance_length"] > 1.0  # drafts were accepted
     ev = events(backend_server)
     requests = [e for e in ev if e["event"] == "request"]

@@ -116,7 +116,7 @@ def test_outputs_run_to_max_tokens_and_streaming_answers_per_iteration(tmp_path:
     steps on its own thread and launches the next iteration before the first answer is out, so a
     cancel sent at once still lets one decode iteration run, whose token the last response carries."""
     ex = tle.Executor(write_engine(tmp_path, "target"), None, tle.ExecutorConfig(), target=greedy_target,
-                      iteration_s=0.2)
+                      iteration_s=0.5)
     prefix = [3, 1, 4]
     bad = [(oracle(prefix) + 1) % V] * 4
     rid = ex.enqueue_request(tle.Request(prefix, 5, sampling_config=tle.SamplingConfig(top_k=1),
@@ -209,7 +209,7 @@ def verify_waste(tmp_path: Path, monkeypatch, cancel: bool) -> list[int]:
     """Decode iterations each of three fully rejected verifies runs after its answer (K = 8)."""
     import time
 
-    made = install(monkeypatch, greedy_target, iteration_s=0.05)
+    made = install(monkeypatch, greedy_target, iteration_s=0.2)
     from ssd.engine.trtllm_engine import TrtllmEngine
 
     engine = TrtllmEngine(write_engine(tmp_path, "target", max_draft_len=8))

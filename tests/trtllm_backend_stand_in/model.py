@@ -42,7 +42,7 @@ from ssd.serving.trtllm_contract import INPUTS, OUTPUTS  # noqa: E402
 
 # one decode iteration's time: a GPU's is ~10 ms, but here the stop's round trip through the
 # orchestrator's stub and tritonserver must fit into it on two contended CPU cores
-ITERATION_S = 0.5
+ITERATION_S = 1.0
 
 
 def _dims(d) -> list[int]:

@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import triton_python_backend_utils as pb_utils
 
@@ -32,7 +33,10 @@ class TrtllmBackendClient(BLSClient):
         drafter's rows as they are)."""
         super().__init__(**models)
         self.vocab_size = vocab_size
-        self._drains: set[asyncio.Task] = set()
+        self._drains: set[asyncio.Future] = set()
+        # the stub's response iterators block: reading first answers and draining stopped streams
+        # runs on threads of its own, enough for every active request's verify and drain at once
+        self._threads = ThreadPoolExecutor(max_workers=256, thread_name_prefix="trtllm-bls")
 
     def _tensors(self, tensors: dict) -> list:
         return [pb_utils.Tensor(name, value) for name, value in tensors.items()]
@@ -46,7 +50,8 @@ class TrtllmBackendClient(BLSClient):
                                           request_id=request_id)
         responses = await infer.async_exec(decoupled=True)
         stream = iter(responses)
-        first = await asyncio.to_thread(next, stream)  # the stub may block until the first response
+        loop = asyncio.get_running_loop()
+        first = await loop.run_in_executor(self._threads, next, stream)  # may block until the first response
         if first.has_error():
             raise CallError(f"{self.models['target']}.verify: {first.error().message()}")
         ids = pb_utils.get_output_tensor_by_name(first, "output_ids").as_numpy()
@@ -54,9 +59,9 @@ class TrtllmBackendClient(BLSClient):
         n = int(length.as_numpy().reshape(-1)[0]) if length is not None else None
         if req.tensors["streaming"].reshape(-1)[0]:
             await self._stop(request_id)
-            task = asyncio.ensure_future(asyncio.to_thread(lambda: sum(1 for _ in stream)))
-            self._drains.add(task)
-            task.add_done_callback(self._drains.discard)
+            drain = loop.run_in_executor(self._threads, lambda: sum(1 for _ in stream))
+            self._drains.add(drain)
+            drain.add_done_callback(self._drains.discard)
         accepted, token = contract.first_answer(ids, call.draft, n)
         return VerifyResult(accepted, token)
 
