@@ -6,7 +6,9 @@
 #   tensorrt_llm: the torch conversion first (its HF-format folders are convert_checkpoint's input),
 #                 then tools/trtllm_build.py -> engines/trtllm/<name>/ (TensorRT-LLM 1.2.x engines)
 # Usage: bash build_engines.sh [--config FILE] [--backend auto|torch|tensorrt_llm]
-#                              [--dtype bfloat16|float32] [--out DIR] [--dry-run]
+#                              [--dtype bfloat16|float32] [--out DIR] [--spec FILE] [--dry-run]
+# --spec: the deployment spec whose tensorrt_llm models set tp_size and max_batch_size
+#         (default deploy/gpu_paper_layout.yaml; tensorrt_llm only).
 # Env: PYTHON (default .venv/bin/python, else python3), TRTLLM_PYTHON (interpreter with tensorrt_llm,
 #      default $PYTHON), TRTLLM_EXAMPLES_DIR (examples/ of a TensorRT-LLM checkout).
 set -euo pipefail
@@ -17,8 +19,9 @@ BACKEND=auto
 DTYPE=""
 OUT=engines
 DRY_RUN=0
+SPEC=deploy/gpu_paper_layout.yaml
 
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "[build_engines] ERROR: $*" >&2; exit 2; }
 
 while [[ $# -gt 0 ]]; do
@@ -27,6 +30,7 @@ while [[ $# -gt 0 ]]; do
     --backend) [[ $# -ge 2 ]] || die "--backend needs a value"; BACKEND=$2; shift 2 ;;
     --dtype) [[ $# -ge 2 ]] || die "--dtype needs a value"; DTYPE=$2; shift 2 ;;
     --out) [[ $# -ge 2 ]] || die "--out needs a folder"; OUT=$2; shift 2 ;;
+    --spec) [[ $# -ge 2 ]] || die "--spec needs a file"; SPEC=$2; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
     -h|--help) usage; exit 0 ;;
     *) usage >&2; die "unknown option: $1" ;;
@@ -118,7 +122,7 @@ TORCH_ARGS=(--config "$CONFIG" --out "$OUT")
 [[ -n "$DTYPE" ]] && TORCH_ARGS+=(--dtype "$DTYPE")
 # TensorRT-LLM builds from the converted Hugging Face weights, also of an engine llama.cpp runs on CPU
 [[ "$BACKEND" == tensorrt_llm ]] && TORCH_ARGS+=(--hf-weights)
-TRT_ARGS=(--config "$CONFIG" --engines-root "$OUT" --python "$TRTLLM_PYTHON")  # engines go to $OUT/trtllm/<name>
+TRT_ARGS=(--config "$CONFIG" --engines-root "$OUT" --spec "$SPEC" --python "$TRTLLM_PYTHON")  # engines go to $OUT/trtllm/<name>
 
 if [[ $DRY_RUN -eq 1 ]]; then
   run_step "torch plan (dry run)" torch_plan

@@ -92,6 +92,58 @@ def test_kubernetes_replica_matches_the_gpu_spec() -> None:
         if line.startswith("COPY "):
             for src in line.split()[1:-1]:
                 assert list(REPO.glob(src.rstrip("/"))), src
+    # GPU nodes only, and the image is the one the Dockerfile's own build line tags
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    version = next(line.split('"')[1] for line in (REPO / "pyproject.toml").read_text().splitlines()
+                   if line.startswith("version"))
+    assert container["image"] == f"ssd-triton:{version}" and f"-t ssd-triton:{version} ." in dockerfile
+    kustomize = yaml.safe_load((k8s / "kustomization.yaml").read_text())
+    assert kustomize["images"][0]["newTag"] == version
+
+
+def _dockerfile_runs() -> list[str]:
+    """The Dockerfile's RUN and CMD instructions, continuation lines joined."""
+    text = (REPO / "deploy/k8s/Dockerfile").read_text().replace("\\\n", " ")
+    return [line for line in text.splitlines() if line.startswith(("RUN ", "CMD "))]
+
+
+def test_the_image_keeps_tensorrt_llms_own_dependencies() -> None:
+    """Nothing is pip-installed into the image's Python but the repository itself (--no-deps): its
+    TensorRT-LLM pins transformers 4.x and `import tensorrt_llm` loads it. The weight conversion's
+    transformers 5 / gguf live in a venv of their own, which build_engines.sh uses as PYTHON."""
+    runs = _dockerfile_runs()
+    for line in runs:
+        for cmd in line.split("&&"):
+            words = cmd.split()
+            if "pip" in words and "install" in words and "build-venv" not in cmd:
+                assert "--no-deps" in words and words[-1] == ".", cmd  # only the repository, editable
+    venv = next(line for line in runs if "python3 -m venv" in line)
+    assert "--system-site-packages /opt/ssd/build-venv" in venv and "transformers" in venv
+    text = (REPO / "deploy/k8s/Dockerfile").read_text()
+    assert "ENV PYTHON=/opt/ssd/build-venv/bin/python TRTLLM_PYTHON=python3 TRTLLM_EXAMPLES_DIR=/app/examples" in text
+    assert "ARG TRITON_TAG=26.04\n" in text  # the first NGC tag with TensorRT-LLM 1.2.x
+
+
+def test_the_container_serves_with_explicit_model_control() -> None:
+    """The supervisor reloads a dead engine over the model-control API: explicit mode, every model loaded."""
+    import json
+
+    (cmd,) = [line for line in _dockerfile_runs() if line.startswith("CMD ")]
+    argv = json.loads(cmd[len("CMD "):])
+    assert argv[0] == "tritonserver" and "--model-control-mode=explicit" in argv and "--load-model=*" in argv
+
+
+def test_engines_hold_every_request_the_orchestrator_admits() -> None:
+    """A drafter with fewer sequences than the orchestrator admits would evict live ones every round."""
+    for name in ("cpu_default.yaml", "gpu_paper_layout.yaml"):
+        deploy.render(spec(name))
+    s = spec("gpu_paper_layout.yaml")
+    for item in s["models"]["drafter_primary"]["parameters"]:
+        if isinstance(item, dict) and "max_sequences" in item:
+            item["max_sequences"] = "16"
+    with pytest.raises(deploy.SpecError, match="drafter_primary.parameters.max_sequences 16.*max_active_requests 64"):
+        deploy.render(s)
 
 
 def test_the_shipped_engines_follow_their_profiles_runtime(tmp_path: Path) -> None:

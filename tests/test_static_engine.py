@@ -1,7 +1,9 @@
 """The GPU drafter's engine (ssd/engine/static_engine.py) on the CPU: its fixed-shape steps over the
-static KV pool (padding, batched tree attention with a mask, slots) against the dynamic forward.
-The CUDA-graph capture itself needs a GPU (tools/device_check.py runs it there); everything it
-replays is this same function over these same buffers."""
+static KV pool (padding, batched tree attention with a mask, slots, length buckets) against the
+dynamic forward. The CUDA-graph capture itself needs a GPU (tools/device_check.py runs it there);
+everything it replays is this same function over these same buffers. Here a recording stand-in
+for the capture and for the device scope checks that every shape is captured at load and that
+capture, replay and every forward run in the engine's CUDA device scope."""
 from __future__ import annotations
 
 import pytest
@@ -17,7 +19,8 @@ def pair(tmp_path_factory):
 
     folder = make_tiny_engine(tmp_path_factory.mktemp("static") / "m", seed=3, vocab=32, logit_scale=1.0)
     dynamic = TorchEngine(folder, exact=False, max_sequences=8)
-    static = StaticEngine(folder, exact=False, max_sequences=3, static_len=48, max_step_rows=8, cuda_graphs=False)
+    static = StaticEngine(folder, exact=False, max_sequences=3, static_len=48, max_step_rows=8, cuda_graphs=False,
+                          min_length=8)
     return dynamic, static
 
 
@@ -41,7 +44,9 @@ def test_decode_steps_prefill_rollback_and_padding_match_the_dynamic_forward(pai
             seqs[c.seq_id] = c.tokens
     rolled = [ExtendCall("a", seqs["a"][:9] + [1, 2, 3], 3)]  # a shorter common prefix: rollback, 3 rows
     assert same(dynamic.extend(rolled), static.extend(rolled))
-    assert {(4, 1), (4, 2), (1, 4)} <= set(static.steps) and static.pool.spare == 3
+    # batch, rows and the attention width: 32 of the 48 positions (lengths 8, 32, 48) for these sequences
+    assert static.lengths == [8, 32, 48]
+    assert {(4, 1, 32), (4, 2, 32), (1, 4, 32)} <= set(static.steps) and static.pool.spare == 3
 
 
 def test_tree_steps_and_commit_match_the_dynamic_forward(pair) -> None:
@@ -113,3 +118,135 @@ def test_the_factory_builds_the_static_drafter(tmp_path) -> None:
     assert worker.engine.use_graphs is False  # a CPU device: the same steps, run eagerly
     worker = build_worker(EngineConfig.from_parameters({"role": "drafter"}), str(folder))
     assert type(worker.engine).__name__ == "TorchEngine"
+
+
+def test_attention_reads_only_the_length_bucket_in_use(pair) -> None:
+    """A short sequence's step reads 8 cache positions, not the slot's 48, and still matches."""
+    from ssd.engine.engine import ExtendCall
+
+    dynamic, static = pair
+    for e in pair:
+        for sid in list(e.sequences):
+            e.release(sid)
+    calls = [ExtendCall("short", [3, 1, 4, 1], 1)]
+    widths = []
+    forward = StaticStepSpy.wrap(widths)
+    try:
+        assert same(dynamic.extend(calls), static.extend(calls))
+        longer = [ExtendCall("short", [3, 1, 4, 1] + list(range(5, 25)), 1)]
+        assert same(dynamic.extend(longer[:1]), static.extend(longer[:1]))  # a prefill: the dynamic forward
+        longer = [ExtendCall("short", longer[0].tokens + [7], 1)]
+        assert same(dynamic.extend(longer), static.extend(longer))
+    finally:
+        forward.undo()
+    assert widths == [8, 32]  # keys and values of each layer: [batch, kv_heads, width, head_dim]
+
+
+class StaticStepSpy:
+    """Records the attention width (the mask's last dimension) of every static step's forward."""
+
+    def __init__(self, original):
+        self.original = original
+
+    @classmethod
+    def wrap(cls, widths: list[int]):
+        from ssd.engine.static_engine import StaticStep
+
+        spy = cls(StaticStep.forward)
+
+        def forward(step, tokens, positions, write_slot, write_pos, slots, mask):
+            widths.append(mask.shape[-1])
+            return spy.original(step, tokens, positions, write_slot, write_pos, slots, mask)
+
+        StaticStep.forward = forward
+        return spy
+
+    def undo(self) -> None:
+        from ssd.engine.static_engine import StaticStep
+
+        StaticStep.forward = self.original
+
+
+def test_every_graph_shape_is_captured_at_load_inside_the_device_scope(tmp_path, monkeypatch) -> None:
+    """With graphs on, the engine captures every (batch, rows, length) before it returns (before the
+    model is READY), each capture and every later forward inside its CUDA device scope; requests
+    then add no shape. A recording stand-in replaces the capture (there is no GPU here)."""
+    from ssd.engine.engine import ExtendCall, TorchEngine, TreeCall
+    from ssd.engine.static_engine import StaticEngine, StaticStep
+
+    depth = [0]
+    events: list[tuple[str, int]] = []
+
+    class Scope:
+        def __enter__(self):
+            depth[0] += 1
+
+        def __exit__(self, *exc):
+            depth[0] -= 1
+
+    monkeypatch.setattr(TorchEngine, "on_device", lambda self: Scope())
+    monkeypatch.setattr(StaticEngine, "_graph_pool", staticmethod(lambda: None))
+    monkeypatch.setattr(StaticStep, "_capture",
+                        lambda step, pool: events.append((f"capture {step.batch}x{step.rows}x{step.length}", depth[0])))
+    original = StaticStep.forward
+    monkeypatch.setattr(StaticStep, "forward",
+                        lambda step, **kw: events.append(("forward", depth[0])) or original(step, **kw))
+    folder = make_tiny_engine(tmp_path / "m", seed=5, vocab=32)
+    engine = StaticEngine(folder, exact=False, max_sequences=3, static_len=40, max_step_rows=4, cuda_graphs=True,
+                          min_length=8)
+    shapes = set(engine.shapes())
+    assert shapes == {(b, r, n) for b in (1, 2, 4) for r in (1, 2, 4) for n in (8, 32, 40)}
+    captured = [e for e in events if e[0].startswith("capture")]
+    assert len(captured) == len(shapes) == len(engine.steps) and all(d > 0 for _, d in captured)
+    assert engine.capture_s > 0
+    events.clear()
+    engine.extend([ExtendCall("a", [1, 2, 3], 1), ExtendCall("b", [4, 5], 1)])
+    engine.extend([ExtendCall("a", [1, 2, 3, 6], 1)])
+    engine.tree([TreeCall("a", [7, 8], [4, 4], [4, 4], [-1, -1])])
+    assert set(engine.steps) == shapes  # no shape was added by a request
+    assert events and all(name == "forward" and d > 0 for name, d in events)
+
+
+def test_device_context_enters_the_engines_cuda_device(monkeypatch) -> None:
+    """device_context(cuda:4) enters torch.cuda.device(cuda:4); a CPU engine enters nothing."""
+    from ssd.engine import engine as engine_module
+
+    entered = []
+
+    class Recorder:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "device", Recorder)
+    with engine_module.device_context(torch.device("cuda", 4)):
+        pass
+    with engine_module.device_context(torch.device("cpu")):
+        pass
+    assert entered == [torch.device("cuda", 4)]
+
+
+def test_the_torch_engine_forwards_inside_its_device_scope(tmp_path, monkeypatch) -> None:
+    """The dynamic forward (prefills, the target's verifies) runs in the scope too."""
+    from ssd.engine.engine import ExtendCall, TorchEngine
+
+    depth, seen = [0], []
+
+    class Scope:
+        def __enter__(self):
+            depth[0] += 1
+
+        def __exit__(self, *exc):
+            depth[0] -= 1
+
+    monkeypatch.setattr(TorchEngine, "on_device", lambda self: Scope())
+    engine = TorchEngine(make_tiny_engine(tmp_path / "m", seed=6), exact=False, max_sequences=2)
+    forward = engine.model.forward
+    engine.model.forward = lambda *a, **k: seen.append(depth[0]) or forward(*a, **k)
+    engine.extend([ExtendCall("a", [1, 2, 3, 4], 2)])
+    assert seen == [1]

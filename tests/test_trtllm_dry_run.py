@@ -21,6 +21,10 @@ K = int(CONFIG["tensorrt_llm"]["max_draft_len"])
 TARGETS = [n for n, s in CONFIG["engines"].items() if s["role"] == "target"]
 DRAFTERS = [n for n, s in CONFIG["engines"].items() if s["role"] == "drafter"]
 HAS_TRTLLM = importlib.util.find_spec("tensorrt_llm") is not None
+SPEC = yaml.safe_load((ROOT / "deploy/gpu_paper_layout.yaml").read_text())
+SPEC_TP = len(SPEC["models"]["target"]["gpus"])  # the layout's GPUs for the target
+SPEC_ACTIVE = next(int(p["max_active_requests"]) for p in SPEC["models"]["ssd"]["parameters"]
+                   if isinstance(p, dict) and "max_active_requests" in p)
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -44,14 +48,14 @@ def test_build_engines_trtllm_dry_run_renders_commands() -> None:
         assert f"--max_draft_len {K}" in line
         assert "--gather_generation_logits" in line
         assert "--use_paged_context_fmha enable" in line and "--kv_cache_type paged" in line
-        for flag in ("--max_batch_size", "--max_input_len", "--max_seq_len", "--max_num_tokens"):
+        for flag in ("--max_input_len", "--max_seq_len", "--max_num_tokens"):
             assert flag in line
-    for name in DRAFTERS:
-        line = build_line(r.stdout, name)
-        assert "--speculative_decoding_mode" not in line and "--max_draft_len" not in line
-        assert "--gather_generation_logits" in line
-    assert r.stdout.count("convert_checkpoint.py") == len(CONFIG["engines"])
-    assert "--dtype bfloat16 --tp_size 1" in r.stdout
+        # the deployment spec's sizes: its target GPUs and the orchestrator's admitted requests
+        assert f"--max_batch_size {SPEC_ACTIVE} " in line
+    for name in DRAFTERS:  # the drafter runs on the torch engine: no TensorRT-LLM engine for nobody
+        assert not [ln for ln in r.stdout.splitlines() if ln.strip().startswith("$ trtllm-build") and f"/{name} " in ln]
+    assert r.stdout.count("convert_checkpoint.py") == len(TARGETS)
+    assert f"--dtype bfloat16 --tp_size {SPEC_TP}" in r.stdout and "/app/examples/models/core/" in r.stdout
     assert '"enable_kv_cache_reuse": true' in r.stdout
     assert (ROOT / "engines/trtllm").exists() == trt_before  # a dry run writes nothing
 
@@ -85,8 +89,8 @@ def test_print_json_plan_and_runtime_json(tmp_path: Path) -> None:
     compat = target["files"][str(tmp_path / "trtllm/.build" / TARGETS[0] / "hf/config.json")]
     assert compat["rope_theta"] == 1e6 and compat["architectures"] == ["Qwen2ForCausalLM"]
     assert "rope_parameters" not in compat
-    for name in DRAFTERS:
-        assert "--speculative_decoding_mode" not in plan[name]["commands"][1]
+    assert set(plan) == set(TARGETS)
+    assert rt["tp_size"] == SPEC_TP and rt["max_batch_size"] == SPEC_ACTIVE
 
 
 def test_auto_backend_picks_torch_here(tmp_path: Path) -> None:
@@ -141,11 +145,11 @@ def test_engine_plumbing_with_stand_in_executor(tmp_path: Path, monkeypatch: pyt
     from ssd.workers.trtllm_target import TrtllmTargetWorker
 
     s = settings(CONFIG)
-    for role in ("target", "drafter"):  # HF folders whose vocab (64) is larger than the rows (V): padding
+    for role in ("target",):  # an HF folder whose vocab (64) is larger than the rows (V): padding
         (tmp_path / role).mkdir()
         (tmp_path / role / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": 64}))
     plans = {r: plan_engine(r, {"role": r, "source": "qwen"}, s, tmp_path, tmp_path / "trt", "python")
-             for r in ("target", "drafter")}
+             for r in ("target",)}
     for p in plans.values():
         p.engine_dir.mkdir(parents=True)
         (p.engine_dir / "runtime.json").write_text(json.dumps(p.files[str(p.engine_dir / "runtime.json")]))
@@ -175,14 +179,7 @@ def test_engine_plumbing_with_stand_in_executor(tmp_path: Path, monkeypatch: pyt
     sent = ex.requests[4].external_draft_tokens_config.logits  # q' travels as logits whose softmax is q' again
     assert sent.shape == (2, 64) and torch.allclose(torch.softmax(sent, -1)[:, :V], q, atol=1e-5)
     assert ex.requests[1].external_draft_tokens_config.logits is None  # greedy: token matching, no logits
-
-    drafter = TrtllmEngine(plans["drafter"].engine_dir)
-    toks, probs = drafter.draft("a", prefix, 3, SamplingParams(temperature=1.0))
-    assert len(toks) == 3 and probs.shape == (3, V) and torch.allclose(probs.sum(-1), torch.ones(3))
-    toks, probs = drafter.draft("a", prefix, 2, SamplingParams())
-    assert toks == good and probs is None
-    with pytest.raises(ValueError, match="target"):
-        TrtllmTargetWorker(drafter)
+    assert sent.dtype == torch.float32
 
 
 def test_build_runs_with_stand_in_toolchain(tmp_path: Path) -> None:
@@ -210,11 +207,12 @@ def test_build_runs_with_stand_in_toolchain(tmp_path: Path) -> None:
     cmd = [PY, "tools/trtllm_build.py", "--engines-root", str(tmp_path / "eng"), "--out-root", str(tmp_path / "t")]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
-    for name in CONFIG["engines"]:
+    for name in TARGETS:
         rt = json.loads((tmp_path / "t" / name / "runtime.json").read_text())
         assert rt["enable_kv_cache_reuse"] is True and (tmp_path / "t" / name / "rank0.engine").exists()
+    assert not any((tmp_path / "t" / name).exists() for name in DRAFTERS)
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 0 and r.stdout.count("is up to date") == len(CONFIG["engines"])
+    assert r.returncode == 0 and r.stdout.count("is up to date") == len(TARGETS)
 
 
 def test_engine_backend_is_selectable_and_fails_clearly_without_tensorrt_llm():
@@ -234,3 +232,43 @@ def test_engine_backend_is_selectable_and_fails_clearly_without_tensorrt_llm():
             build_worker(EngineConfig.from_parameters({"role": "target", "engine_backend": "tensorrt_llm"}),
                          "/nonexistent")
     assert type(build_worker(EngineConfig.from_parameters({"role": "fast_backup"}), None)).__name__ == "NgramWorker"
+
+
+def test_sizes_come_from_the_deployment_spec(tmp_path: Path) -> None:
+    """tp_size is the GPUs the spec gives the engine's tensorrt_llm model, max_batch_size the
+    orchestrator's max_active_requests: a layout with 2 GPUs and 24 requests builds that engine."""
+    from ssd_tools.trtllm_build import BuildError, make_plans, settings
+
+    spec = yaml.safe_load((ROOT / "deploy/gpu_paper_layout.yaml").read_text())
+    spec["models"]["target"]["gpus"] = [0, 1]
+    for item in spec["models"]["ssd"]["parameters"]:
+        if isinstance(item, dict) and "max_active_requests" in item:
+            item["max_active_requests"] = "24"
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    _, plans = make_plans(ROOT / "engines/default.yaml", tmp_path / "e", tmp_path / "t", "python", tmp_path / "spec.yaml")
+    (plan,) = plans
+    convert, build = plan.commands
+    assert convert[convert.index("--tp_size") + 1] == "2" and build[build.index("--max_batch_size") + 1] == "24"
+    with pytest.raises(BuildError, match="tp_size.*deployment spec"):
+        settings({"tensorrt_llm": {"tp_size": {"target": 4}}})
+    spec["models"]["target"]["parameters"] = [{"role": "target"}, {"engine": "another-model"}]
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    with pytest.raises(BuildError, match="another-model"):
+        make_plans(ROOT / "engines/default.yaml", tmp_path / "e", tmp_path / "t", "python", tmp_path / "spec.yaml")
+
+
+def test_the_host_check_renders_a_one_gpu_backend_layout(tmp_path: Path) -> None:
+    """tools/trtllm_host_check.py (for a GPU host in the TensorRT-LLM image) in its dry run: the
+    one-GPU spec renders, the target is a tensorrtllm model on GPU 0 whose engine the build plan
+    makes with tp_size 1 and the orchestrator's 8 requests."""
+    r = subprocess.run([PY, "tools/trtllm_host_check.py", "--dry-run", "--work", str(tmp_path / "w"),
+                        "--out", str(tmp_path / "r.json")], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={"PATH": f"{Path(PY).parent}:/usr/bin:/bin", "PYTHON": PY})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["ok"] is True
+    target = (tmp_path / "w/model_repository/target/config.pbtxt").read_text()
+    engine = tmp_path.resolve() / "w/engines/trtllm/smollm2-135m"
+    assert 'backend: "tensorrtllm"' in target and f'string_value: "{engine}"' in target
+    assert 'key: "gpu_device_ids" value: { string_value: "0" }' in target
+    line = build_line(r.stdout, "smollm2-135m")
+    assert "--max_batch_size 8 " in line and "--tp_size 1 " in r.stdout

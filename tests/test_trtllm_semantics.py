@@ -41,11 +41,12 @@ def write_engine(root: Path, role: str, *, max_seq_len: int = 64, max_draft_len:
     from ssd_tools.trtllm_build import plan_engine, settings
 
     s = settings({"tensorrt_llm": {"max_seq_len": max_seq_len, "max_draft_len": max_draft_len,
-                                   "max_num_tokens": max_seq_len, "tp_size": {role: tp_size}}})
+                                   "max_num_tokens": max_seq_len}})
     hf = root / "engines" / role
     hf.mkdir(parents=True, exist_ok=True)
     (hf / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": V}))
-    plan = plan_engine(role, {"role": role}, s, root / "engines", root / "engines/trtllm", "python")
+    plan = plan_engine(role, {"role": role}, s, root / "engines", root / "engines/trtllm", "python",
+                       {"tp_size": tp_size})
     plan.engine_dir.mkdir(parents=True, exist_ok=True)
     rt = plan.engine_dir / "runtime.json"
     rt.write_text(json.dumps({**plan.files[str(rt)], **({"max_input_len": max_input_len} if max_input_len else {})}))
@@ -59,10 +60,10 @@ def trtllm_target(**params: str):
     return EngineConfig.from_parameters({"role": "target", "engine_backend": "tensorrt_llm", **params})
 
 
-def install(monkeypatch: pytest.MonkeyPatch, target) -> list:
+def install(monkeypatch: pytest.MonkeyPatch, target, iteration_s: float = 0.001) -> list:
     import types
 
-    module, made = tle.executor_module(target)
+    module, made = tle.executor_module(target, iteration_s)
     pkg = types.ModuleType("tensorrt_llm")
     pkg.__file__ = "/stand-in/site-packages/tensorrt_llm/__init__.py"
     pkg.bindings = types.ModuleType("tensorrt_llm.bindings")
@@ -118,8 +119,11 @@ def test_kernel_with_draft_logits_keeps_p(tmp_path: Path) -> None:
 
 
 def test_outputs_run_to_max_tokens_and_streaming_answers_per_iteration(tmp_path: Path) -> None:
-    """A verify request does not stop after accepted + 1: it decodes to max_tokens."""
-    ex = tle.Executor(write_engine(tmp_path, "target"), None, tle.ExecutorConfig(), target=greedy_target)
+    """A verify request does not stop after accepted + 1: it decodes to max_tokens. The executor
+    steps on its own thread and launches the next iteration before the first answer is out, so a
+    cancel sent at once still lets one decode iteration run, whose token the last response carries."""
+    ex = tle.Executor(write_engine(tmp_path, "target"), None, tle.ExecutorConfig(), target=greedy_target,
+                      iteration_s=0.5)
     prefix = [3, 1, 4]
     bad = [(oracle(prefix) + 1) % V] * 4
     rid = ex.enqueue_request(tle.Request(prefix, 5, sampling_config=tle.SamplingConfig(top_k=1),
@@ -130,9 +134,43 @@ def test_outputs_run_to_max_tokens_and_streaming_answers_per_iteration(tmp_path:
                                          external_draft_tokens_config=tle.ExternalDraftTokensConfig(bad)))
     first = ex.await_responses([rid])[0]
     assert [len(r.result.output_token_ids[0]) for r in first] == [1] and not first[0].result.is_final
+    assert ex.decode_iterations[rid] == 1  # launched before the answer reached us
     ex.cancel_request(rid)
     (last,) = ex.await_responses([rid])[0]
-    assert last.result.is_final and ex.decode_iterations[rid] == 0
+    assert last.result.is_final and last.result.output_token_ids[0] == [oracle(prefix + [oracle(prefix)])]
+    assert ex.decode_iterations[rid] == 1
+    ex.shutdown()
+
+
+def test_the_executor_steps_without_anyone_awaiting(tmp_path: Path) -> None:
+    """Iterations run on the executor's thread: a request finishes while nobody awaits it."""
+    import time
+
+    ex = tle.Executor(write_engine(tmp_path, "target"), None, tle.ExecutorConfig(), target=greedy_target)
+    rid = ex.enqueue_request(tle.Request([3, 1, 4], 6, sampling_config=tle.SamplingConfig(top_k=1)))
+    deadline = time.monotonic() + 30
+    while rid not in ex.ready and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ex.decode_iterations[rid] == 5 and ex.ready[rid][-1].result.is_final
+    ex.shutdown()
+
+
+def test_bad_requests_get_an_error_response_not_an_exception(tmp_path: Path) -> None:
+    """executorImpl.cpp fetchNewRequests: a request that fails validation is answered with an error."""
+    ex = tle.Executor(write_engine(tmp_path, "target", max_seq_len=20), None, tle.ExecutorConfig(),
+                      target=greedy_target)
+    too_long = ex.enqueue_request(tle.Request(list(range(16)), 1))
+    half = torch.zeros(1, V, dtype=torch.float16)
+    fp16 = ex.enqueue_request(tle.Request([1, 2], 2, sampling_config=tle.SamplingConfig(temperature=1.0, top_p=1.0),
+                                          external_draft_tokens_config=tle.ExternalDraftTokensConfig([1], logits=half)))
+    fp32 = ex.enqueue_request(tle.Request([1, 2], 2, sampling_config=tle.SamplingConfig(temperature=1.0, top_p=1.0),
+                                          external_draft_tokens_config=tle.ExternalDraftTokensConfig(
+                                              [1], logits=half.float())))
+    (a,), (b,), got = ex.await_responses([too_long, fp16, fp32])
+    assert a.has_error() and "exceeds maximum input length" in a.error_msg and "fetching new request" in a.error_msg
+    assert b.has_error() and "float32" in b.error_msg
+    assert got and not got[-1].has_error()
+    ex.shutdown()
 
 
 def test_length_limits_trim_with_a_warning_only(tmp_path: Path) -> None:
@@ -147,8 +185,6 @@ def test_length_limits_trim_with_a_warning_only(tmp_path: Path) -> None:
     (resp,) = ex.await_responses([rid])[0]
     assert not resp.has_error() and len(ex.warnings) == 2
     assert "draft tokens is changed to (2)" in ex.warnings[0] and "changed to (5)" in ex.warnings[1]
-    with pytest.raises(RuntimeError, match="exceeds maximum input length"):
-        ex.enqueue_request(tle.Request(list(range(16)), 1))
 
 
 def test_generation_logits_need_gather_generation_logits(tmp_path: Path) -> None:
@@ -172,24 +208,43 @@ def test_sampled_verify_of_a_deterministic_draft_follows_p(tmp_path: Path, monke
     engine = TrtllmEngine(write_engine(tmp_path, "target"))
     params = SamplingParams(temperature=1.0)
     got = [engine.verify_external("s", [1, 2], [0, 1], params, seed=i) for i in range(N)]
-    first = [tok if acc == 0 else 0 for acc, tok, _ in got]
+    first = [tok if acc == 0 else 0 for acc, tok in got]
     assert all(close(freq(first, t), float(P[t])) for t in range(4)), [freq(first, t) for t in range(4)]
 
 
-def test_verify_wastes_no_decode_iterations(tmp_path: Path, monkeypatch) -> None:
-    made = install(monkeypatch, greedy_target)
+def verify_waste(tmp_path: Path, monkeypatch, cancel: bool) -> list[int]:
+    """Decode iterations each of three fully rejected verifies runs after its answer (K = 8)."""
+    import time
+
+    made = install(monkeypatch, greedy_target, iteration_s=0.2)
     from ssd.engine.trtllm_engine import TrtllmEngine
 
-    engine = TrtllmEngine(write_engine(tmp_path, "target"))
-    prefix = [3, 1, 4]
-    good = [oracle(prefix)]
-    bad = good + [(oracle(prefix + good) + 1) % V, 5, 6]
-    for draft, want in ((bad, (1, oracle(prefix + good))), ([(good[0] + 1) % V] * 4, (0, oracle(prefix))),
-                        ([], (0, oracle(prefix)))):
-        accepted, token, _ = engine.verify_external("s", prefix, draft, SamplingParams())
-        assert (accepted, token) == want
+    engine = TrtllmEngine(write_engine(tmp_path, "target", max_draft_len=8))
     ex = made[0]
-    assert sum(ex.decode_iterations.values()) == 0 and not ex.live and not ex.ready
+    if not cancel:
+        monkeypatch.setattr(ex, "cancel_request", lambda rid: None)
+    prefix = [3, 1, 4]
+    for i in range(3):
+        seq = prefix + [i]
+        accepted, token = engine.verify_external("s", seq, [(oracle(seq) + 1) % V] * 8, SamplingParams())
+        assert (accepted, token) == (0, oracle(seq))
+    deadline = time.monotonic() + 60
+    while (ex.live or ex.queued) and time.monotonic() < deadline:  # let every request finish
+        time.sleep(0.05)
+    ex.shutdown()
+    return [ex.decode_iterations[rid] for rid in sorted(ex.decode_iterations)]
+
+
+def test_verify_cancels_after_its_first_answer(tmp_path: Path, monkeypatch) -> None:
+    """A fully rejected verify of K = 8 drafts would decode 8 tokens nobody reads; cancelled on its
+    first answer it decodes one (launched before the answer is out), two if the cancel misses a pass."""
+    waste = verify_waste(tmp_path, monkeypatch, cancel=True)
+    assert len(waste) == 3 and all(1 <= w <= 2 for w in waste), waste
+
+
+def test_without_the_cancel_the_verify_decodes_to_max_tokens(tmp_path: Path, monkeypatch) -> None:
+    """The control of the test above: the same verifies, cancel_request a no-op."""
+    assert verify_waste(tmp_path, monkeypatch, cancel=False) == [8, 8, 8]
 
 
 def test_length_limits_are_checked_before_enqueue(tmp_path: Path, monkeypatch) -> None:
@@ -220,16 +275,6 @@ def test_a_call_over_the_limits_fails_alone(tmp_path: Path, monkeypatch) -> None
     assert isinstance(res[0], CallError) and "max_input_len" in str(res[0])
     assert (res[1].accepted, res[1].token) == (1, oracle(prefix + [oracle(prefix)])) and res[1].timing
     assert made[0].batches == [1]  # only the call that fits was enqueued
-
-
-def test_executor_gathers_generation_logits(tmp_path: Path, monkeypatch) -> None:
-    made = install(monkeypatch, greedy_target)
-    from ssd.engine.trtllm_engine import TrtllmEngine
-
-    drafter = TrtllmEngine(write_engine(tmp_path, "drafter"))
-    assert made[0].config.gather_generation_logits is True
-    toks, probs = drafter.draft("a", [1, 2], 3, SamplingParams(temperature=1.0))
-    assert len(toks) == 3 and probs.shape == (3, V) and torch.allclose(probs.sum(-1), torch.ones(3))
 
 
 def test_build_and_runtime_share_the_engine_path(tmp_path: Path, monkeypatch) -> None:

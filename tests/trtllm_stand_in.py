@@ -1,8 +1,20 @@
 """A stand-in for `tensorrt_llm.bindings.executor` (TensorRT-LLM 1.2) that behaves as its source does.
 
 TensorRT-LLM needs a GPU, so the runtime's tests run against this module instead. Each behaviour
-below is read from TensorRT-LLM's own source (NVIDIA/TensorRT-LLM), named where it is reproduced:
+below is read from TensorRT-LLM's own source (NVIDIA/TensorRT-LLM, release/1.2), named where it is
+reproduced:
 
+- `cpp/tensorrt_llm/executor/executorImpl.cpp` (`Executor::Impl::executionLoop`): the executor
+  steps on its own thread, not inside `await_responses`. One pass of its loop: terminate the
+  requests cancelled so far (`terminateCancelledRequests`), wait for the iteration in flight
+  (`forwardSync`), publish its responses (`populateNewResponses`, `enqueueNewResponses`), fetch the
+  newly enqueued requests (`fetchNewRequests`), then launch the next iteration for every active
+  request (`forwardAsync`). So the next decode step of a streaming request is already running when
+  its answer reaches Python, and a cancel takes effect at the next pass: the final response of a
+  cancelled request carries the token(s) of the iteration that was in flight.
+- Same file, `fetchNewRequests`: a request that fails validation (`LlmRequest::validate`, the
+  generation-logits check) does not raise at enqueue; it gets an error response
+  ("Encountered an error when fetching new request: ...").
 - `cpp/include/tensorrt_llm/batch_manager/llmRequest.h` (`LlmRequest::validate`): a prompt over
   max_input_len is an error; more draft tokens than the engine's max_draft_len is an error;
   prompt + drafts over max_input_len trims the drafts, and prompt + max_tokens + drafts-per-step
@@ -17,23 +29,29 @@ below is read from TensorRT-LLM's own source (NVIDIA/TensorRT-LLM), named where 
   come back). After all drafts are accepted the next token is sampled from p.
 - The context step returns the accepted drafts plus one token; the request then keeps decoding
   one token per iteration until max_tokens (`cpp/tensorrt_llm/batch_manager/` generation loop).
-  A streaming request answers after every iteration with the tokens it added; `cancel_request`
-  ends it before the next iteration with a final response.
-- `cpp/tensorrt_llm/executor/executorImpl.cpp`: a request asking for generation logits fails
-  unless `ExecutorConfig.gather_generation_logits` is set ("To return generation logits,
+- `executorImpl.cpp` (`fetchNewRequests`): a request asking for generation logits fails unless
+  `ExecutorConfig.gather_generation_logits` is set ("To return generation logits,
   gather_generation_logits must be enabled in ExecutorConfig").
+- Draft logits are [draft tokens, padded vocab] in the engine's logits dtype: float32 for engines
+  built with `--logits_dtype float32` (the backend's `draft_logits` input is `${logits_datatype}`,
+  TYPE_FP32 for them: `triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt`).
+  The stand-in fails a request whose draft logits have another shape or dtype (stricter than the
+  executor, which copies them into a buffer of its own dtype).
 - Names and keywords of the classes: `cpp/tensorrt_llm/nanobind/executor/request.cpp`,
-  `executorConfig.cpp` (ParallelConfig, OrchestratorConfig), `executor.cpp`.
+  `executorConfig.cpp` (ParallelConfig, OrchestratorConfig), `executor.cpp`;
+  `Executor::Impl::awaitResponses(ids, timeout)` waits for each id in turn.
 
-The model is a callable ``target(tokens) -> logits [vocab]``. Iterations run when a caller awaits
-an unanswered, unfinished request (every active request advances one step: in-flight batching),
-and are counted: ``iterations`` in all, ``decode_iterations[id]`` after a request's context step.
-The engine's limits come from the engine folder's runtime.json (what trtllm-build's config.json
-holds on a GPU host).
+The model is a callable ``target(tokens) -> logits [vocab]``. An iteration takes ``iteration_s``
+seconds of "GPU time" on the executor's thread; iterations are counted: ``iterations`` in all,
+``decode_iterations[id]`` launched after a request's context step. The engine's limits come from
+the engine folder's runtime.json (what trtllm-build's config.json holds on a GPU host).
 """
 from __future__ import annotations
 
+import datetime
 import json
+import threading
+import time
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +59,7 @@ from typing import Callable
 
 import torch
 
+FETCH_ERROR = "Encountered an error when fetching new request: "
 GATHER_ERROR = "To return generation logits, gather_generation_logits must be enabled in ExecutorConfig"
 
 
@@ -129,19 +148,24 @@ class _Live:
     max_tokens: int
     gen: torch.Generator | None
     out: list[int] = field(default_factory=list)
+    unsent: list[int] = field(default_factory=list)  # tokens not yet in a response
+    in_flight: list[int] | None = None  # tokens of the launched iteration, attached at the next pass
     started: bool = False
+    cancelled: bool = False
 
 
 class Executor:
     def __init__(self, engine_dir: str, model_type, config: ExecutorConfig, *,
-                 target: Callable[[list[int]], torch.Tensor]):
+                 target: Callable[[list[int]], torch.Tensor], iteration_s: float = 0.001):
         rt = json.loads((Path(engine_dir) / "runtime.json").read_text())
-        self.config, self.target = config, target
+        self.config, self.target, self.iteration_s = config, target, iteration_s
         self.max_input_len, self.max_seq_len = int(rt["max_input_len"]), int(rt["max_seq_len"])
         external = rt.get("speculative_decoding_mode") == "draft_tokens_external"
         self.max_draft_len = int(rt["max_draft_len"]) if external else 0
         self.vocab_padded = int(rt["vocab_size"])
-        self.live: dict[int, _Live] = {}
+        self.live: dict[int, _Live] = {}  # active requests
+        self.queued: list[tuple[int, Request]] = []
+        self.cancelled: set[int] = set()
         self.ready: dict[int, list[Response]] = {}
         self.warnings: list[str] = []
         self.iterations = 0
@@ -149,21 +173,101 @@ class Executor:
         self.requests: dict[int, Request] = {}  # every request enqueued, for tests to inspect
         self.batches: list[int] = []  # sizes of enqueue_requests calls
         self._next_id = 1
+        self._cv = threading.Condition()
+        self._shutdown = False
+        self._thread = threading.Thread(target=self._loop, name="executionLoop", daemon=True)
+        self._thread.start()
 
-    # -- enqueue: LlmRequest::validate ------------------------------------------------------------
+    # -- the client side ----------------------------------------------------------------------
     def enqueue_request(self, request: Request) -> int:
-        rid, self._next_id = self._next_id, self._next_id + 1
-        self.requests[rid] = request
+        with self._cv:
+            rid, self._next_id = self._next_id, self._next_id + 1
+            self.requests[rid] = request
+            self.queued.append((rid, request))
+            self._cv.notify_all()
+        return rid
+
+    def enqueue_requests(self, requests: list[Request]) -> list[int]:
+        with self._cv:  # one lock: the loop fetches them together
+            self.batches.append(len(requests))
+            return [self.enqueue_request(r) for r in requests]
+
+    def cancel_request(self, rid: int) -> None:
+        """Takes effect at the loop's next pass (terminateCancelledRequests)."""
+        with self._cv:
+            self.cancelled.add(rid)
+
+    def await_responses(self, ids: list[int] | None = None, timeout=None) -> list[list[Response]]:
+        """Per id in turn: its responses, waiting up to ``timeout`` for the first one."""
+        seconds = None if timeout is None else (timeout.total_seconds() if isinstance(timeout, datetime.timedelta)
+                                                else float(timeout))
+        with self._cv:
+            ids = list(ids) if ids is not None else list(self.live)
+            out = []
+            for rid in ids:
+                deadline = None if seconds is None else time.monotonic() + seconds
+                while rid not in self.ready:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        break
+                    self._cv.wait(left)
+                out.append(self.ready.pop(rid, []))
+            return out
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._shutdown = True
+            self.live.clear()
+            self.queued.clear()
+            self._cv.notify_all()
+        self._thread.join(timeout=10)
+
+    # -- the executor's thread: executionLoop ---------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self.live or self.queued or self._shutdown):
+                    self._cv.wait()
+                if self._shutdown:
+                    return
+                if self.live:
+                    for rid in self.cancelled & set(self.live):  # terminateCancelledRequests
+                        self.live[rid].cancelled = True
+                        self.cancelled.discard(rid)
+                    self._sync_and_respond()
+                for rid, request in self.queued:  # fetchNewRequests
+                    self._fetch(rid, request)
+                self.queued.clear()
+                if self.live:
+                    self._launch()  # forwardAsync
+                self._cv.notify_all()
+            time.sleep(self.iteration_s)  # the launched iteration's GPU time
+
+    def _fetch(self, rid: int, request: Request) -> None:
+        try:
+            self.live[rid] = self._validate(request)
+            self.decode_iterations[rid] = 0
+        except ValueError as e:
+            self.ready.setdefault(rid, []).append(Response(rid, error_msg=FETCH_ERROR + str(e)))
+
+    def _validate(self, request: Request) -> _Live:
+        """LlmRequest::validate and fetchNewRequests' checks; a ValueError becomes an error response."""
         prompt = len(request.input_token_ids)
         ext = request.external_draft_tokens_config
         drafts = list(ext.tokens) if ext else []
-        error = ""
         if prompt > self.max_input_len:
-            error = f"Prompt length ({prompt}) exceeds maximum input length ({self.max_input_len})."
-        elif len(drafts) > self.max_draft_len:
-            error = f"Draft tokens length ({len(drafts)}) exceeds maximum draft tokens length ({self.max_draft_len})."
-        if error:
-            raise RuntimeError(error)
+            raise ValueError(f"Prompt length ({prompt}) exceeds maximum input length ({self.max_input_len}).")
+        if len(drafts) > self.max_draft_len:
+            raise ValueError(f"Draft tokens length ({len(drafts)}) exceeds maximum draft tokens length "
+                             f"({self.max_draft_len}).")
+        if ext is not None and ext.logits is not None:
+            logits = torch.as_tensor(ext.logits)
+            if tuple(logits.shape) != (len(ext.tokens), self.vocab_padded) or logits.dtype != torch.float32:
+                raise ValueError(f"stand-in: draft logits must be float32 [draft tokens, padded vocab] = "
+                                 f"({len(ext.tokens)}, {self.vocab_padded}), got {logits.dtype} "
+                                 f"{tuple(logits.shape)}")
+        if request.output_config.return_generation_logits and not self.config.gather_generation_logits:
+            raise ValueError(GATHER_ERROR)
         per_step = self.max_draft_len
         if drafts:
             per_step = len(drafts)
@@ -179,29 +283,40 @@ class Executor:
             self.warnings.append(f"Prompt length + number of requested output tokens + draft tokens per step "
                                  f"({prompt} + {request.max_tokens} + {per_step}) exceeds maximum sequence length "
                                  f"({self.max_seq_len}). Number of requested output tokens is changed to ({max_tokens}).")
-        if request.output_config.return_generation_logits and not self.config.gather_generation_logits:
-            self.ready[rid] = [Response(rid, error_msg=GATHER_ERROR)]  # executorImpl.cpp: the request fails
-            return rid
-        if ext is not None and ext.logits is not None:
-            shape = tuple(torch.as_tensor(ext.logits).shape)
-            if shape != (len(ext.tokens), self.vocab_padded):
-                raise ValueError(f"stand-in: draft logits must be [draft tokens, padded vocab] = "
-                                 f"({len(ext.tokens)}, {self.vocab_padded}), got {shape}")
         seed = request.sampling_config.seed
         gen = torch.Generator().manual_seed(int(seed)) if seed is not None else torch.Generator()
-        self.live[rid] = _Live(request, drafts, max_tokens, gen)
-        self.decode_iterations[rid] = 0
-        return rid
+        return _Live(request, drafts, max_tokens, gen)
 
-    def enqueue_requests(self, requests: list[Request]) -> list[int]:
-        self.batches.append(len(requests))
-        return [self.enqueue_request(r) for r in requests]
+    def _launch(self) -> None:
+        """forwardAsync: one iteration of every active request (its tokens land at the next pass)."""
+        self.iterations += 1
+        for rid, r in self.live.items():
+            if not r.started:
+                r.started = True
+                added = self._context_step(r)
+            else:
+                self.decode_iterations[rid] += 1
+                seq = list(r.request.input_token_ids) + r.out
+                added = [self._draw(self._p(seq, r.request.sampling_config), r.gen)]
+            r.in_flight = added
 
-    def cancel_request(self, rid: int) -> None:
-        """The request ends before the next iteration; its final response carries no tokens."""
-        r = self.live.get(rid)
-        if r is not None:
-            self._answer(rid, r, [], final=True)
+    def _sync_and_respond(self) -> None:
+        """forwardSync, then populateNewResponses: a streaming request answers with the tokens it
+        added; a finished one (max_tokens, end_id, cancelled) answers a last time and leaves."""
+        for rid, r in list(self.live.items()):
+            added = (r.in_flight or [])[: r.max_tokens - len(r.out)]
+            r.in_flight = None
+            r.out += added
+            r.unsent += added
+            final = (r.cancelled or len(r.out) >= r.max_tokens
+                     or (r.request.end_id is not None and r.request.end_id in added))
+            if r.request.streaming and (r.unsent or final):
+                self._answer(rid, r, r.unsent, final)
+            elif final:
+                self._answer(rid, r, r.out, final)
+            r.unsent = []
+            if final:
+                del self.live[rid]
 
     # -- the model's distribution, after temperature / top-k / top-p ------------------------------
     def _p(self, tokens: list[int], sc: SamplingConfig) -> torch.Tensor:
@@ -224,7 +339,6 @@ class Executor:
     def _draw(p: torch.Tensor, gen: torch.Generator) -> int:
         return int(torch.multinomial(p, 1, generator=gen))
 
-    # -- one iteration of every live request ------------------------------------------------------
     def _context_step(self, r: _Live) -> list[int]:
         """externalDraftTokensKernels.cu: the drafts' acceptance, then one token."""
         sc, seq, new = r.request.sampling_config, list(r.request.input_token_ids), []
@@ -244,21 +358,6 @@ class Executor:
             seq.append(d)
         return new + [self._draw(self._p(seq, sc), r.gen)]
 
-    def _iterate(self) -> None:
-        self.iterations += 1
-        for rid, r in list(self.live.items()):
-            if not r.started:
-                r.started = True
-                added = self._context_step(r)
-            else:
-                self.decode_iterations[rid] += 1
-                added = [self._draw(self._p(list(r.request.input_token_ids) + r.out, r.request.sampling_config), r.gen)]
-            added = added[: r.max_tokens - len(r.out)]
-            r.out += added
-            final = len(r.out) >= r.max_tokens or (r.request.end_id is not None and r.request.end_id in added)
-            if r.request.streaming or final:
-                self._answer(rid, r, added if r.request.streaming else r.out, final)
-
     def _answer(self, rid: int, r: _Live, tokens: list[int], final: bool) -> None:
         logits = None
         if r.request.output_config.return_generation_logits:
@@ -267,26 +366,16 @@ class Executor:
                     for i in range(len(tokens))]
             logits = torch.stack(rows)[None] if rows else torch.zeros(1, 0, self.vocab_padded)
         self.ready.setdefault(rid, []).append(Response(rid, Result([list(tokens)], final, logits)))
-        if final:
-            del self.live[rid]
-
-    def await_responses(self, ids: list[int] | None = None, timeout=None) -> list[list[Response]]:
-        ids = list(ids) if ids is not None else list(self.live)
-        while any(i not in self.ready and i in self.live for i in ids):
-            self._iterate()
-        return [self.ready.pop(i, []) for i in ids]
-
-    def shutdown(self) -> None:
-        self.live.clear()
 
 
-def executor_module(target: Callable[[list[int]], torch.Tensor]) -> tuple[types.ModuleType, list[Executor]]:
+def executor_module(target: Callable[[list[int]], torch.Tensor], iteration_s: float = 0.001
+                    ) -> tuple[types.ModuleType, list[Executor]]:
     """The stand-in module, and the list each Executor it creates is appended to."""
     m = types.ModuleType("tensorrt_llm.bindings.executor")
     made: list[Executor] = []
 
     def make_executor(engine_dir, model_type, config):
-        made.append(Executor(engine_dir, model_type, config, target=target))
+        made.append(Executor(engine_dir, model_type, config, target=target, iteration_s=iteration_s))
         return made[-1]
 
     m.CommunicationType, m.CommunicationMode = CommunicationType, CommunicationMode

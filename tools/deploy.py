@@ -9,6 +9,12 @@ batching, instances, where it runs and its parameters. Placement fields:
   instance per listed GPU, with ``device`` cuda.
 - ``instances``: instance count (per GPU for a KIND_GPU model).
 
+``interface: tensorrtllm`` renders a model of Triton's own TensorRT-LLM backend instead (the target
+served by the C++ backend, verified through it by serving/trtllm_backend_client.py): the backend's
+decoupled in-flight-batching config with the inputs and outputs of serving/trtllm_contract.py, the
+engine folder ``<engine_root>/trtllm/<engine>`` (the spec's ``engine_root``, /opt/ssd/engines by
+default) and the backend's own parameters, which the model's ``parameters`` may override.
+
 Parameters are an ordered list of ``key: "value"`` items (values are Triton string_values, so
 strings) and comment strings, rendered in order. deploy/cpu_default.yaml renders the shipped
 model_repository/ byte for byte (tests/test_deploy.py).
@@ -26,8 +32,25 @@ from pathlib import Path
 import yaml
 
 from ssd.config import DECODE_INPUTS
+from ssd.serving.trtllm_contract import INPUTS, OUTPUTS, RAGGED
 
 REPO = Path(__file__).resolve().parents[1]
+ENGINE_ROOT = "/opt/ssd/engines"  # where deploy/k8s mounts the engines volume
+# The TensorRT-LLM backend's parameters (the 1.2-era template's keys) with the values this project
+# serves with; the engine's path and the GPUs come from the spec.
+TRTLLM_PARAMETERS = [
+    ("max_beam_width", "1"),
+    ("FORCE_CPU_ONLY_INPUT_TENSORS", "no"),
+    ("gpt_model_type", "inflight_fused_batching"),
+    ("batch_scheduler_policy", "guaranteed_no_evict"),
+    ("kv_cache_free_gpu_mem_fraction", "0.5"),
+    ("enable_kv_cache_reuse", "true"),  # a verify's prefix is the last one's: its blocks are reused
+    ("enable_chunked_context", "true"),
+    ("exclude_input_in_output", "true"),
+    # a stop request cancels at once; this is how often Triton-cancelled requests are looked for
+    ("cancellation_check_period_ms", "1"),
+    ("executor_worker_path", "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"),
+]
 
 ENGINE_IO = """input [
   { name: "request" data_type: TYPE_STRING dims: [ 1 ] },
@@ -57,7 +80,21 @@ def _orchestrator_io() -> str:
     return "input [\n" + ",\n".join(ins) + "\n]\noutput [\n" + ",\n".join(outs) + "\n]"
 
 
-INTERFACES = {"engine": ENGINE_IO, "orchestrator": _orchestrator_io()}
+def _tensorrtllm_io() -> str:
+    def dims(d: list[int]) -> str:
+        return "[ " + ", ".join(str(x) for x in d) + " ]"
+
+    ins = []
+    for n, (t, d, optional) in INPUTS.items():
+        extra = " reshape: { shape: [ ] }" if d == [1] else ""
+        extra += " optional: true" if optional else ""
+        extra += " allow_ragged_batch: true" if n in RAGGED else ""
+        ins.append(f'  {{ name: "{n}" data_type: {t} dims: {dims(d)}{extra} }}')
+    outs = [f'  {{ name: "{n}" data_type: {t} dims: {dims(d)} }}' for n, (t, d) in OUTPUTS.items()]
+    return "input [\n" + ",\n".join(ins) + "\n]\noutput [\n" + ",\n".join(outs) + "\n]"
+
+
+INTERFACES = {"engine": ENGINE_IO, "orchestrator": _orchestrator_io(), "tensorrtllm": _tensorrtllm_io()}
 # The orchestrator's first request measures the engines' costs; Triton runs this one (files in
 # model_repository/ssd/warmup/) before it reports the model READY, so no client pays for it.
 WARMUP_FILES = REPO / "model_repository" / "ssd" / "warmup"
@@ -125,10 +162,45 @@ def _instance_group(name: str, spec: dict) -> str:
     return f"instance_group [ {{ kind: KIND_CPU count: {count} }} ]"
 
 
-def render_model(name: str, spec: dict) -> str:
+def render_tensorrtllm(name: str, spec: dict, engine_root: str) -> str:
+    """A model of Triton's TensorRT-LLM backend: decoupled, in-flight batching, one KIND_CPU
+    instance that leads the engine's GPUs (gpu_device_ids)."""
+    if spec.get("engine", "tensorrt_llm") != "tensorrt_llm":
+        raise SpecError(f"models.{name}.engine: a tensorrtllm model runs a tensorrt_llm engine, got {spec['engine']!r}")
+    if not spec.get("gpus"):
+        raise SpecError(f"models.{name}.gpus: a tensorrtllm model needs its GPUs")
+    own = {}
+    for i, item in enumerate(spec.get("parameters") or []):
+        if isinstance(item, dict) and len(item) == 1:
+            (key, value), = item.items()
+            if not isinstance(value, str):
+                raise SpecError(f"models.{name}.parameters[{i}].{key}: a Triton string_value, quote it "
+                                f"(got {type(value).__name__} {value!r})")
+            own[str(key)] = value
+    engine = own.pop("engine", "")
+    if not engine:
+        raise SpecError(f"models.{name}.parameters.engine: the engine to serve (engines/*.yaml's name)")
+    batch = int(spec.get("max_batch_size", 64))
+    lines = _comment(spec["comment"]) if spec.get("comment") else []
+    lines += [f'name: "{name}"', 'backend: "tensorrtllm"', f"max_batch_size: {batch}",
+              "model_transaction_policy { decoupled: true }",
+              f"dynamic_batching {{ preferred_batch_size: [ {batch} ] max_queue_delay_microseconds: "
+              f"{int((spec.get('batching') or {}).get('max_queue_delay_microseconds', 0))} }}",
+              INTERFACES["tensorrtllm"], "instance_group [ { kind: KIND_CPU count: 1 } ]"]
+    params = dict(TRTLLM_PARAMETERS)
+    params["gpt_model_path"] = f"{engine_root}/trtllm/{engine}"
+    params["gpu_device_ids"] = ",".join(str(int(g)) for g in spec["gpus"])
+    params.update(own)
+    lines += [f'parameters: {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in params.items()]
+    return "\n".join(lines) + "\n"
+
+
+def render_model(name: str, spec: dict, engine_root: str = ENGINE_ROOT) -> str:
     interface = spec.get("interface")
     if interface not in INTERFACES:
         raise SpecError(f"models.{name}.interface must be one of {sorted(INTERFACES)}, got {interface!r}")
+    if interface == "tensorrtllm":
+        return render_tensorrtllm(name, spec, engine_root)
     lines = _comment(spec["comment"]) if spec.get("comment") else []
     lines += [f'name: "{name}"', 'backend: "python_ssd"', f"max_batch_size: {int(spec.get('max_batch_size', 0))}"]
     batching = spec.get("batching")
@@ -148,12 +220,35 @@ def render_model(name: str, spec: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _param(spec: dict, key: str) -> str | None:
+    for item in spec.get("parameters") or []:
+        if isinstance(item, dict) and key in item:
+            return item[key]
+    return None
+
+
+def check_limits(models: dict) -> None:
+    """Every engine that keeps a sequence per active request holds as many as the orchestrator admits
+    (a drafter that evicts a live sequence recomputes its prefix every round)."""
+    active = [int(_param(m, "max_active_requests") or 0) for m in models.values()
+              if (m or {}).get("interface") == "orchestrator"]
+    if not active or not active[0]:
+        return
+    for name, m in models.items():
+        held = _param(m or {}, "max_sequences")
+        if held is not None and int(held) < active[0]:
+            raise SpecError(f"models.{name}.parameters.max_sequences {held} is below the orchestrator's "
+                            f"max_active_requests {active[0]}")
+
+
 def render(spec: dict) -> dict[str, str]:
     """model name -> config.pbtxt text."""
     models = spec.get("models")
     if not isinstance(models, dict) or not models:
         raise SpecError("the spec needs a `models:` mapping")
-    return {name: render_model(name, m or {}) for name, m in models.items()}
+    check_limits(models)
+    root = str(spec.get("engine_root", ENGINE_ROOT))
+    return {name: render_model(name, m or {}, root) for name, m in models.items()}
 
 
 def write(configs: dict[str, str], out: Path) -> None:

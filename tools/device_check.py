@@ -13,8 +13,15 @@ enough for what this measures:
 3. Step timings: target forwards of b sequences x r rows (r = 1: an AR step, r = K+1: a verify),
    in batch-invariant tiles and as one GEMM; drafter steps; decode tok/s of each mode at batch 1.
 4. The GPU drafter (engine/static_engine.py: static KV cache, CUDA graphs on cuda): its decode
-   step and a 2K-row step against the target's one-row step (the goal on a GPU: under 0.3).
-Runs on the CPU as well (``--device cpu`` with small configs), which is how the tests keep it working.
+   step and a 2K-row step against the target's one-row step (the goal on a GPU: under 0.3), the
+   time it takes to capture every graph shape at load, and exactness with it as the drafter
+   (the target's own weights: greedy acceptance is total, so every round runs the graphs).
+5. The device scope: on a machine with several GPUs the engines run on the last one (a non-zero
+   index) while the current device stays 0, and every forward, capture and replay is checked to
+   run with the engine's GPU current; with one GPU the same check runs on cuda:0.
+Needs only PyTorch and CUDA: the default pair's shapes are built in (no config files, no
+downloads). Runs on the CPU as well (``--device cpu`` with small configs), which is how the tests
+keep it working.
 """
 from __future__ import annotations
 
@@ -37,12 +44,22 @@ from ssd.decoding.generator import DecodeConfig, Generation, SharedState
 from ssd.decoding.local_client import LocalClient
 from ssd.engine.engine import ExtendCall, TorchEngine
 from ssd.engine.model import ModelConfig
-from ssd.engine.static_engine import StaticEngine
+from ssd.engine.static_engine import StaticEngine, StaticStep
 from ssd.workers.drafter import DrafterWorker
 from ssd.workers.fast_backup import NgramWorker
 from ssd.workers.target import TargetWorker
 
 REPO = Path(__file__).resolve().parents[1]
+# The default pair's shapes (Qwen2.5-Coder-1.5B-Instruct and -0.5B-Instruct config.json), so the
+# check needs no engine folder on the GPU machine.
+QWEN2 = {"model_type": "qwen2", "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+         "tie_word_embeddings": True, "max_position_embeddings": 32768, "hidden_act": "silu"}
+DEFAULT_PAIR = {
+    "target": {**QWEN2, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+               "num_attention_heads": 12, "num_key_value_heads": 2},
+    "drafter": {**QWEN2, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+                "num_attention_heads": 14, "num_key_value_heads": 2},
+}
 
 
 def ranges(xs: list[int]) -> str:
@@ -202,10 +219,13 @@ def timings(target, drafter, k: int, batches: list[int]) -> list[dict]:
 
 
 def drafter_graph_timings(drafter_dir: Path, target, device: str, k: int, batches: list[int],
-                          context: int = 128) -> list[dict]:
+                          context: int = 128) -> tuple[list[dict], dict]:
     """The drafter on the static engine (CUDA graphs on cuda) against the target's one-row step."""
     drafter = StaticEngine(drafter_dir, device=device, exact=False, max_sequences=max(batches),
                            static_len=context + 2 * k + 64)
+    capture = {"cuda_graphs": drafter.use_graphs, "shapes": len(drafter.shapes()) if drafter.use_graphs else 0,
+               "capture_s": round(drafter.capture_s, 2)}
+    log(f"GPU drafter: {capture['shapes']} graph shapes captured at load in {capture['capture_s']} s")
     rows = []
     for b in batches:
         row = {"batch": b, "cuda_graphs": drafter.use_graphs,
@@ -215,31 +235,86 @@ def drafter_graph_timings(drafter_dir: Path, target, device: str, k: int, batche
         row["drafter_over_target"] = row["drafter_graph_1row_ms"] / row["target_1row_onegemm_ms"]
         rows.append({key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()})
         log(f"GPU drafter batch {b}: " + ", ".join(f"{key} {v}" for key, v in rows[-1].items() if key != "batch"))
-    return rows
+    return rows, capture
+
+
+class DeviceWatch:
+    """Records, for every forward of a torch engine and every static step (capture and eager
+    forward alike), whether the engine's GPU was the current CUDA device."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.calls, self.wrong = device, 0, 0
+        self._undo = []
+
+    def _check(self) -> None:
+        self.calls += 1
+        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
+            self.wrong += 1
+
+    def install(self) -> "DeviceWatch":
+        from ssd.engine.model import Transformer
+
+        for cls in (Transformer, StaticStep):
+            original = cls.forward
+
+            def forward(obj, *a, _original=original, **kw):
+                self._check()
+                return _original(obj, *a, **kw)
+
+            cls.forward = forward
+            self._undo.append((cls, original))
+        return self
+
+    def remove(self) -> None:
+        for cls, original in self._undo:
+            cls.forward = original
+
+    def to_dict(self) -> dict:
+        return {"engine_device": str(self.device), "forwards_checked": self.calls, "forwards_off_device": self.wrong}
+
+
+def pick_device(requested: str) -> torch.device:
+    """``cuda`` alone: the last GPU, so that with two or more the engines run on a non-zero index
+    while the current device stays cuda:0 (what a drafter on GPU 4 of the paper's layout sees)."""
+    dev = torch.device(requested)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.device_count() - 1)
+    if dev.type == "cuda":
+        torch.cuda.set_device(0)
+    return dev
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--target-config", type=Path, default=REPO / "engines/qwen2.5-coder-1.5b/config.json")
-    ap.add_argument("--drafter-config", type=Path, default=REPO / "engines/qwen2.5-coder-0.5b/config.json")
+    ap.add_argument("--target-config", type=Path, default=None, help="default: Qwen2.5-Coder-1.5B's shapes")
+    ap.add_argument("--drafter-config", type=Path, default=None, help="default: Qwen2.5-Coder-0.5B's shapes")
     ap.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt in the exactness runs")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--batches", default="1,4,8,16")
     ap.add_argument("--out", type=Path, required=True, help="JSON report")
     a = ap.parse_args()
-    report: dict = {"device": a.device, "torch": torch.__version__}
-    if a.device.startswith("cuda"):
-        report["gpu"] = torch.cuda.get_device_name(0)
+    started = time.perf_counter()
+    dev = pick_device(a.device)
+    device = str(dev)
+    report: dict = {"device": device, "torch": torch.__version__}
+    if dev.type == "cuda":
+        report["gpu"] = torch.cuda.get_device_name(dev)
+        report["gpus"] = torch.cuda.device_count()
+    watch = DeviceWatch(dev).install()
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        tcfg, dcfg = json.loads(a.target_config.read_text()), json.loads(a.drafter_config.read_text())
-        tdir = random_engine(tcfg, Path(tmp) / "target", 1, a.device)
-        ddir = random_engine(dcfg, Path(tmp) / "drafter", 2, a.device)
-        target = TorchEngine(tdir, device=a.device, exact=True)
-        drafters = {"random": TorchEngine(ddir, device=a.device, exact=False),
-                    "self": TorchEngine(tdir, device=a.device, exact=False)}  # the target drafting for itself
+        tcfg = json.loads(a.target_config.read_text()) if a.target_config else DEFAULT_PAIR["target"]
+        dcfg = json.loads(a.drafter_config.read_text()) if a.drafter_config else DEFAULT_PAIR["drafter"]
+        tdir = random_engine(tcfg, Path(tmp) / "target", 1, device)
+        ddir = random_engine(dcfg, Path(tmp) / "drafter", 2, device)
+        target = TorchEngine(tdir, device=device, exact=True)
+        # the target drafting for itself, eagerly and on the CUDA-graph engine: total greedy acceptance
+        drafters = {"random": TorchEngine(ddir, device=device, exact=False),
+                    "self": TorchEngine(tdir, device=device, exact=False),
+                    "self_graphs": StaticEngine(tdir, device=device, exact=False, max_sequences=max(4, a.prompts),
+                                                static_len=256)}
         log(f"random engines built and loaded in {time.perf_counter() - t0:.0f} s")
         report["gemm_rows"] = gemm_rows(target)
         for name, r in report["gemm_rows"].items():
@@ -251,9 +326,14 @@ def main() -> None:
         report["all_exact"] = all(r["equal_to_ar"] == r["prompts"] for r in report["exactness"])
         batches = [int(b) for b in a.batches.split(",")]
         report["timings"] = timings(target, drafters["random"], a.k, batches)
-        report["drafter_graphs"] = drafter_graph_timings(ddir, target, a.device, a.k, batches)
+        report["drafter_graphs"], report["graph_capture"] = drafter_graph_timings(ddir, target, device, a.k, batches)
+    watch.remove()
+    report["device_scope"] = watch.to_dict()
+    report["device_scope_ok"] = watch.calls > 0 and watch.wrong == 0
+    report["wall_s"] = round(time.perf_counter() - started, 1)
     a.out.write_text(json.dumps(report, indent=1))
-    log(f"all exact: {report['all_exact']}; report in {a.out}")
+    log(f"all exact: {report['all_exact']}; device scope ok: {report['device_scope_ok']}; "
+        f"{report['wall_s']} s; report in {a.out}")
 
 
 if __name__ == "__main__":

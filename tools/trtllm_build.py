@@ -1,10 +1,22 @@
 """Renders (and on GPU hosts runs) the TensorRT-LLM 1.2.x engine builds for an engines/<profile>.yaml.
 
 Input: the HF-format folders engines/<name>/ that the CPU path writes (tools/build_engines.py).
-Per engine: a transformers-4 compatible view of the folder (the TRT-LLM image ships transformers 4.x,
-which ignores the `rope_parameters` our transformers-5 config.json uses and would silently fall back to
-rope_theta 10000), checkpoint conversion (examples/models/core/<family>/convert_checkpoint.py, bf16,
-tp 1), `trtllm-build`, and engines/trtllm/<name>/runtime.json for backends/.../trtllm_engine.py.
+Per target engine: a transformers-4 compatible view of the folder (the TRT-LLM image ships
+transformers 4.x, which ignores the `rope_parameters` our transformers-5 config.json uses and would
+silently fall back to rope_theta 10000), checkpoint conversion
+(examples/models/core/<family>/convert_checkpoint.py, bf16), `trtllm-build`, and
+engines/trtllm/<name>/runtime.json for backends/.../trtllm_engine.py.
+
+Only targets get a TensorRT-LLM engine: drafters speculate with tree rows over a shared prefix
+(one forward of a whole speculation tree, a custom attention mask per row), and the executor's
+Request has no input for a per-request attention mask, so the drafter runs on the torch engine
+with CUDA graphs (engine/static_engine.py) and a drafter engine here would be built for nobody.
+
+The deployment spec (``--spec``, deploy/gpu_paper_layout.yaml by default) decides the sizes that
+must agree with serving: an engine's ``tp_size`` is the number of GPUs its tensorrt_llm model
+lists, and its ``max_batch_size`` is the orchestrator's ``max_active_requests`` (every active
+request has one verify in flight). The examples come from the TensorRT-LLM container (/app/examples
+in the NGC image), TRTLLM_EXAMPLES_DIR wins.
 
 `--dry-run` prints the commands and the files it would write and touches nothing, so it works on a
 machine without TensorRT-LLM, a GPU or even the HF folders.
@@ -27,10 +39,11 @@ import yaml
 
 from ssd.engine.meta import trtllm_engine_dir  # torch-free: the runtime reads the same path
 
-DEFAULTS = {"version": "1.2", "examples_dir": "/workspace/TensorRT-LLM/examples", "max_draft_len": 4,
+CONTAINER_EXAMPLES = "/app/examples"  # the TensorRT-LLM examples in NGC's trtllm-python-py3 image
+DEFAULTS = {"version": "1.2", "examples_dir": CONTAINER_EXAMPLES, "max_draft_len": 4,
             "max_batch_size": 8, "max_seq_len": 4096, "max_input_len": None, "max_num_tokens": 4096,
-            "enable_chunked_context": True, "kv_cache_free_gpu_mem_fraction": {"target": 0.5, "drafter": 0.3},
-            "tp_size": {"target": 1, "drafter": 1}}
+            "enable_chunked_context": True, "kv_cache_free_gpu_mem_fraction": {"target": 0.5}}
+ROLES = ("target",)  # the roles served on TensorRT-LLM (see the module docstring for the drafter)
 # HF model_type -> (examples/models/core/<dir>, architectures entry for the compat config.json)
 FAMILIES = {"qwen2": ("qwen", "Qwen2ForCausalLM"), "llama": ("llama", "LlamaForCausalLM"),
             "mistral": ("llama", "MistralForCausalLM")}
@@ -66,7 +79,32 @@ class EnginePlan:
                 "command_lines": [shlex.join(c) for c in self.commands], "files": self.files}
 
 
+def spec_limits(spec: dict | None) -> dict[str, dict]:
+    """engine name -> {"tp_size", "max_batch_size"} for each tensorrt_llm model of a deployment spec."""
+    if not spec:
+        return {}
+    models = spec.get("models") or {}
+    active = [dict(p for item in (m.get("parameters") or []) if isinstance(item, dict) for p in item.items())
+              .get("max_active_requests") for m in models.values() if m.get("interface") == "orchestrator"]
+    out = {}
+    for name, m in models.items():
+        if m.get("engine") != "tensorrt_llm" and m.get("interface") != "tensorrtllm":
+            continue
+        params = dict(p for item in (m.get("parameters") or []) if isinstance(item, dict) for p in item.items())
+        engine = params.get("engine")
+        if not engine:
+            raise BuildError(f"deployment spec: models.{name} runs on tensorrt_llm but names no `engine` parameter", 2)
+        limits = {"tp_size": len(m.get("gpus") or [0])}
+        if active and active[0]:
+            limits["max_batch_size"] = int(active[0])
+        out[engine] = limits
+    return out
+
+
 def settings(cfg: dict) -> dict:
+    if "tp_size" in (cfg.get("tensorrt_llm") or {}):
+        raise BuildError("tensorrt_llm.tp_size: the tensor parallelism comes from the deployment spec (the number of "
+                         "GPUs of the engine's tensorrt_llm model, --spec); remove it here", 2)
     s = {**DEFAULTS, **(cfg.get("tensorrt_llm") or {})}
     k = int(s["max_draft_len"])
     if s["max_input_len"] is None:
@@ -93,8 +131,11 @@ def compat_config(hf: dict, model_type: str, dtype: str) -> dict:
     return out
 
 
-def plan_engine(name: str, spec: dict, s: dict, engines_root: Path, out_root: Path | None, python: str) -> EnginePlan:
-    """``out_root`` None: the engine goes where the runtime looks for it (meta.trtllm_engine_dir)."""
+def plan_engine(name: str, spec: dict, s: dict, engines_root: Path, out_root: Path | None, python: str,
+                limits: dict | None = None) -> EnginePlan:
+    """``out_root`` None: the engine goes where the runtime looks for it (meta.trtllm_engine_dir).
+    ``limits``: the deployment spec's tp_size and max_batch_size for this engine (spec_limits)."""
+    limits = limits or {}
     hf_dir = engines_root / name
     engine_dir = out_root / name if out_root else trtllm_engine_dir(hf_dir)
     hf_cfg_path = hf_dir / "config.json"
@@ -116,13 +157,13 @@ def plan_engine(name: str, spec: dict, s: dict, engines_root: Path, out_root: Pa
     p = EnginePlan(name, role, model_type, source, hf_dir, hf_present, build_root / "hf",
                    build_root / "checkpoint", engine_dir)
     script = Path(s["examples_dir"]) / "models" / "core" / family / "convert_checkpoint.py"
-    tps = s["tp_size"]
-    tp = int(tps.get(role, 1) if isinstance(tps, dict) else tps)  # tensor parallelism: GPUs per engine
+    tp = int(limits.get("tp_size", 1))  # tensor parallelism: GPUs per engine, from the deployment spec
+    max_batch = int(limits.get("max_batch_size", s["max_batch_size"]))
     p.commands.append([python, str(script), "--model_dir", str(p.stage_dir), "--output_dir", str(p.ckpt_dir),
                        "--dtype", "bfloat16", "--tp_size", str(tp), "--pp_size", "1"])
     build = ["trtllm-build", "--checkpoint_dir", str(p.ckpt_dir), "--output_dir", str(p.engine_dir),
              "--gemm_plugin", "auto", "--kv_cache_type", "paged", "--use_paged_context_fmha", "enable",
-             "--max_batch_size", str(s["max_batch_size"]), "--max_input_len", str(s["max_input_len"]),
+             "--max_batch_size", str(max_batch), "--max_input_len", str(s["max_input_len"]),
              "--max_seq_len", str(s["max_seq_len"]), "--max_num_tokens", str(s["max_num_tokens"]),
              # both roles: the target's sampled acceptance and the drafter's q rows need logits (fp32)
              "--gather_generation_logits", "--logits_dtype", "float32"]
@@ -140,22 +181,30 @@ def plan_engine(name: str, spec: dict, s: dict, engines_root: Path, out_root: Pa
         "speculative_decoding_mode": "draft_tokens_external" if role == "target" else None,
         "max_draft_len": k, "tp_size": tp, "kv_cache_free_gpu_mem_fraction": frac, "enable_kv_cache_reuse": True,
         "enable_chunked_context": bool(s["enable_chunked_context"]), "gather_generation_logits": True,
-        "max_batch_size": int(s["max_batch_size"]), "max_input_len": int(s["max_input_len"]),
+        "max_batch_size": max_batch, "max_input_len": int(s["max_input_len"]),
         "max_seq_len": int(s["max_seq_len"]), "max_num_tokens": int(s["max_num_tokens"]),
         "vocab_size": hf.get("vocab_size"), "eos_token_ids": meta.get("eos_token_ids", []),
         "build_fingerprint": fingerprint}
     return p
 
 
-def make_plans(config: Path, engines_root: Path, out_root: Path | None, python: str) -> tuple[dict, list[EnginePlan]]:
+def make_plans(config: Path, engines_root: Path, out_root: Path | None, python: str,
+               deploy_spec: Path | None = None) -> tuple[dict, list[EnginePlan]]:
     cfg = yaml.safe_load(config.read_text())
     s = settings(cfg)
-    return s, [plan_engine(n, spec, s, engines_root, out_root, python) for n, spec in cfg["engines"].items()]
+    limits = spec_limits(yaml.safe_load(deploy_spec.read_text()) if deploy_spec else None)
+    unknown = sorted(set(limits) - set(cfg["engines"]))
+    if unknown:
+        raise BuildError(f"deployment spec {deploy_spec} serves {', '.join(unknown)} on tensorrt_llm, which {config} "
+                         "does not build", 2)
+    return s, [plan_engine(n, spec, s, engines_root, out_root, python, limits.get(n))
+               for n, spec in cfg["engines"].items() if spec["role"] in ROLES]
 
 
 def describe(plans: list[EnginePlan], s: dict, out) -> None:
     for i, p in enumerate(plans, 1):
-        print(f"[trtllm] engine {i}/{len(plans)}: {p.name} ({p.role}, bfloat16, model_type {p.model_type}"
+        tp = p.commands[0][p.commands[0].index("--tp_size") + 1]
+        print(f"[trtllm] engine {i}/{len(plans)}: {p.name} ({p.role}, bfloat16, tp_size {tp}, model_type {p.model_type}"
               f"{' guessed from the name' if p.model_type_from == 'name' else ''})", file=out)
         if p.hf_present:
             print(f"[trtllm]   input {p.hf_dir}/ (HF-format, from the torch build)", file=out)
@@ -193,8 +242,9 @@ def check_toolchain(plans: list[EnginePlan], s: dict, python: str) -> None:
             raise BuildError(f"{p.hf_dir}/ is missing: run `bash build_engines.sh --backend torch` first", 2)
         script = Path(p.commands[0][1])
         if not script.exists():
-            raise BuildError(f"{script} not found: set TRTLLM_EXAMPLES_DIR (or tensorrt_llm.examples_dir) to "
-                             f"the examples/ of a TensorRT-LLM v{s['version']}.x checkout", 2)
+            raise BuildError(f"{script} not found: run in the NGC tritonserver trtllm-python-py3 image (examples in "
+                             f"{CONTAINER_EXAMPLES}) or set TRTLLM_EXAMPLES_DIR to the examples/ of a TensorRT-LLM "
+                             f"v{s['version']}.x checkout", 2)
 
 
 def is_current(p: EnginePlan) -> bool:
@@ -241,6 +291,8 @@ def main() -> None:
     ap.add_argument("--engines-root", type=Path, default=Path("engines"), help="where the HF-format folders are")
     ap.add_argument("--out-root", type=Path, default=None,
                     help="default: <engines-root>/trtllm, where the served target model looks")
+    ap.add_argument("--spec", type=Path, default=Path("deploy/gpu_paper_layout.yaml"),
+                    help="deployment spec whose tensorrt_llm models set tp_size and max_batch_size")
     ap.add_argument("--python", default=sys.executable, help="interpreter with tensorrt_llm for convert_checkpoint")
     ap.add_argument("--dry-run", action="store_true", help="print commands and rendered files, run nothing")
     ap.add_argument("--print-json", action="store_true", help="print the plan as JSON on stdout")
@@ -248,7 +300,7 @@ def main() -> None:
     a = ap.parse_args()
     log = sys.stderr if a.print_json else sys.stdout  # keep stdout pure JSON for --print-json
     try:
-        s, plans = make_plans(a.config, a.engines_root, a.out_root, a.python)
+        s, plans = make_plans(a.config, a.engines_root, a.out_root, a.python, a.spec)
         if a.print_json:
             print(json.dumps({"config": str(a.config), "dry_run": a.dry_run, "settings": s,
                               "engines": [p.to_json() for p in plans]}, indent=2))

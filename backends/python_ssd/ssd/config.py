@@ -27,6 +27,7 @@ K_MIN, K_MAX = 1, 7
 AR_STEPS_MAX = 32  # AR steps of one call: a streamed block, and how long a new request waits to join
 # B: branches the drafter pre-drafts per sequence; each is a tree row every speculation step
 BUDGET_MAX = 64
+TARGET_BACKENDS = ("python_ssd", "tensorrtllm")
 
 # the request input each DecodeConfig field is read from, where the names differ
 _INPUT_NAMES = {"k": "num_draft_tokens"}
@@ -123,6 +124,11 @@ class ServerConfig:
     supervise: bool = True
     supervise_engines: str = "target,drafter_primary,drafter_backup"
     supervise_interval_s: float = 0.5
+    # what the `target` model is: this backend's engine server (python_ssd) or Triton's own TensorRT-LLM
+    # backend (tensorrtllm: verification over its tensors, serving/trtllm_backend_client.py), and then
+    # its engine's padded vocabulary, the width of draft logits (0: the drafter's rows as they are)
+    target_backend: str = "python_ssd"
+    target_vocab_size: int = 0
     # the scheduler's knobs (algorithm/scheduler.py), set by parameters of their own names
     policy: PolicyConfig = field(default_factory=PolicyConfig)
 
@@ -175,6 +181,9 @@ class ServerConfig:
         check(self.kv_wait_s >= 0, "kv_wait_s", f"must be >= 0, got {self.kv_wait_s}")
         check(self.supervise_interval_s > 0, "supervise_interval_s",
               f"must be > 0, got {self.supervise_interval_s}")
+        check(self.target_backend in TARGET_BACKENDS, "target_backend",
+              f"must be one of {', '.join(TARGET_BACKENDS)}, got {self.target_backend!r}")
+        check(self.target_vocab_size >= 0, "target_vocab_size", f"must be >= 0, got {self.target_vocab_size}")
         self.policy.validate()
 
 

@@ -7,6 +7,7 @@ restarted engine or a lost cache costs time, never correctness.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -71,6 +72,16 @@ class TreeCall:
     positions: list[int]
     prefix_lens: list[int]
     parents: list[int]
+
+
+def device_context(device: torch.device):
+    """The CUDA current-device scope of an engine on ``device`` (a no-op elsewhere). Kernels follow
+    their tensors' device, but streams, CUDA graphs, graph memory pools and the cuBLAS workspace are
+    made on the *current* device: without this scope an engine on cuda:4 would capture its graphs on
+    cuda:0, whose replays never touch the engine's tensors."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def _release_freed_memory() -> None:
@@ -152,8 +163,10 @@ class TorchEngine:
         # on the CPU the embedding table stays in the file (embedding.py): half a GB less resident
         embedding = (MappedEmbedding(folder / "model.safetensors", "model.embed_tokens.weight", self.dtype)
                      if self.device.type == "cpu" else None)
-        self.model = Transformer(self.config, weights, self.dtype, head_vocab=head_vocab, device=self.device,
-                                 int8=bool(weight_quant), int8_down=weight_quant == "int8_full", embedding=embedding)
+        with self.on_device():
+            self.model = Transformer(self.config, weights, self.dtype, head_vocab=head_vocab, device=self.device,
+                                     int8=bool(weight_quant), int8_down=weight_quant == "int8_full",
+                                     embedding=embedding)
         del weights
         _release_freed_memory()
         eos = hf.get("eos_token_id", [])
@@ -168,6 +181,10 @@ class TorchEngine:
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    def on_device(self):
+        """Every CUDA call of the engine runs inside this scope (``device_context``)."""
+        return device_context(self.device)
 
     def set_threads(self, n: int) -> None:
         torch.set_num_threads(n)
@@ -185,6 +202,10 @@ class TorchEngine:
         return self._thread_check[n]
 
     def _timed_forward(self, batch: list, exact: bool) -> list[torch.Tensor]:
+        with self.on_device():
+            return self._forward_on_device(batch, exact)
+
+    def _forward_on_device(self, batch: list, exact: bool) -> list[torch.Tensor]:
         t0 = time.perf_counter()
         out = self.model.forward(batch, exact=exact)
         if self.device.type != "cpu":  # one copy per forward; it also waits for the GPU, so the timing is real
@@ -302,6 +323,7 @@ class TorchEngine:
         """Makes a tree branch (its rows in ``slots``, holding ``tokens``) part of the committed
         sequence after the first ``prefix_len`` tokens, without recomputing it."""
         s = self.sequences[seq_id]
-        s.kv.move_slots(slots, prefix_len)
+        with self.on_device():
+            s.kv.move_slots(slots, prefix_len)
         s.tokens = s.tokens[:prefix_len] + list(tokens)
         s.scratch_end = len(s.tokens)

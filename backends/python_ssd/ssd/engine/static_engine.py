@@ -2,15 +2,20 @@
 
 A drafter's decode and tree steps are small (one row, or a tree's few dozen rows, per sequence), so
 on a GPU the eager forward costs its kernel launches, not its FLOPs: hundreds of launches a step.
-Here every step of ``batch`` sequences x ``rows`` new rows runs one fixed-shape function over a KV
-pool allocated once: each sequence owns a slot [kv_heads, static_len, head_dim] per layer, the new
-rows' K/V are scattered to (slot, position), and attention runs over the whole static length of
-the batch's slots with a boolean mask [batch, rows, static_len]: a causal prefix for a decode, the
-shared prefix plus each branch's ancestors for a tree step (batched tree attention). Shapes are
-rounded up to powers of two; padding rows write to a spare slot nobody reads. On CUDA the function
-is captured once per shape (torch.cuda.graph) and replayed with the inputs copied into its static
-buffers, as gpt-fast and the reference SSD engine do. On the CPU the same function runs eagerly,
-which is how the tests check it against the dynamic forward.
+Here every step of ``batch`` sequences x ``rows`` new rows over ``length`` cache positions runs one
+fixed-shape function over a KV pool allocated once: each sequence owns a slot [kv_heads,
+static_len, head_dim] per layer, the new rows' K/V are scattered to (slot, position), and attention
+reads the first ``length`` positions of the batch's slots with a boolean mask [batch, rows, length]:
+a causal prefix for a decode, the shared prefix plus each branch's ancestors for a tree step
+(batched tree attention). ``length`` is the smallest of a few length buckets (256, x4 up to
+static_len) that holds the batch's longest sequence, so a step costs what its sequences use, not
+the whole slot. The query heads sharing a KV head attend as one group of rows, so K/V are never
+expanded to the query heads. Batch and rows round up to powers of two; padding rows write to a
+spare slot nobody reads. On CUDA every (batch, rows, length) shape is captured as a CUDA graph
+(torch.cuda.graph) when the engine loads, before the model reports READY, and replayed with the
+inputs copied into its static buffers, as gpt-fast and the reference SSD engine do; capture and
+replay run in the engine's device scope (engine.device_context). On the CPU the same function runs
+eagerly, which is how the tests check it against the dynamic forward.
 
 Forwards the static step does not take (a prefill longer than ``max_step_rows``, an exact forward)
 run the dynamic forward on the same pool (a slot is a SequenceKV view), so both write one cache.
@@ -29,6 +34,16 @@ from .model import RowBatch, Transformer
 
 def bucket(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def length_buckets(static_len: int, smallest: int = 256, factor: int = 4) -> list[int]:
+    """The attention widths a step is captured for: ``smallest``, x ``factor``, ..., ``static_len``.
+    A step reads at most ``factor`` times the positions its longest sequence uses."""
+    out, n = [], min(smallest, static_len)
+    while n < static_len:
+        out.append(n)
+        n *= factor
+    return out + [static_len]
 
 
 class KVPool:
@@ -60,17 +75,18 @@ class SlotKV(SequenceKV):
 
 
 class StaticStep:
-    """One fixed (batch, rows) shape: its input buffers, and on CUDA its captured graph."""
+    """One fixed (batch, rows, length) shape: its input buffers, and on CUDA its captured graph."""
 
-    def __init__(self, model: Transformer, pool: KVPool, batch: int, rows: int, use_graph: bool, mempool=None):
-        self.model, self.pool, self.batch, self.rows = model, pool, batch, rows
+    def __init__(self, model: Transformer, pool: KVPool, batch: int, rows: int, length: int, use_graph: bool,
+                 mempool=None):
+        self.model, self.pool, self.batch, self.rows, self.length = model, pool, batch, rows, length
         dev, n = model.device, batch * rows
         self.buf = {"tokens": torch.zeros(n, dtype=torch.long, device=dev),
                     "positions": torch.zeros(n, dtype=torch.long, device=dev),
                     "write_slot": torch.full((n,), pool.spare, dtype=torch.long, device=dev),
                     "write_pos": torch.arange(n, device=dev) % pool.static_len,
                     "slots": torch.full((batch,), pool.spare, dtype=torch.long, device=dev),
-                    "mask": torch.zeros(batch, rows, pool.static_len, dtype=torch.bool, device=dev)}
+                    "mask": torch.zeros(batch, rows, length, dtype=torch.bool, device=dev)}
         self.buf["mask"][:, :, 0] = True  # padding rows see one key: no all-masked softmax
         self.graph, self.out = None, None
         if use_graph:
@@ -105,8 +121,11 @@ class StaticStep:
     def forward(self, tokens, positions, write_slot, write_pos, slots, mask) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (final-norm hidden states [batch*rows, hidden], head logits [batch*rows, head_vocab])."""
         m, c, pool = self.model, self.model.config, self.pool
-        b, r = self.batch, self.rows
+        b, r, length = self.batch, self.rows, self.length
         hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
+        g = hq // hk
+        # the g query heads of a KV head attend as g*r rows of one group: K/V stay [b, hk, length, d]
+        group_mask = mask[:, None].expand(b, g, r, length).reshape(b, 1, g * r, length)
         cos, sin = m._rope(positions)
         x = m.embed(tokens)
         for li, layer in enumerate(m.layers):
@@ -116,10 +135,11 @@ class StaticStep:
             k = m._apply_rope(k.view(-1, hk, d).transpose(0, 1), cos, sin)
             pool.k[li][write_slot, :, write_pos] = k.transpose(0, 1)
             pool.v[li][write_slot, :, write_pos] = v.view(-1, hk, d)
-            keys, values = pool.k[li].index_select(0, slots), pool.v[li].index_select(0, slots)
-            qb = q.view(hq, b, r, d).transpose(0, 1)  # [batch, heads, rows, d]
-            att = F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask[:, None], scale=m.scale,
-                                                 enable_gqa=hq != hk)
+            keys = pool.k[li][:, :, :length].index_select(0, slots)  # [batch, kv_heads, length, d]
+            values = pool.v[li][:, :, :length].index_select(0, slots)
+            qb = q.view(hq, b, r, d).transpose(0, 1).reshape(b, hk, g * r, d)
+            att = F.scaled_dot_product_attention(qb, keys, values, attn_mask=group_mask, scale=m.scale)
+            att = att.view(b, hq, r, d)
             x = x + layer["o"](att.permute(0, 2, 1, 3).reshape(b * r, hq * d))
             h = m._rms(x, layer["ln2"])
             gate, up = layer["gate_up"](h).chunk(2, dim=-1)
@@ -131,18 +151,41 @@ class StaticStep:
 class StaticEngine(TorchEngine):
     """TorchEngine with a static KV pool of ``max_sequences`` slots of ``static_len`` tokens; steps
     of up to ``max_step_rows`` rows per sequence run as StaticStep (CUDA graphs when ``cuda_graphs``,
-    by default on a CUDA device)."""
+    by default on a CUDA device, every shape captured here, at load)."""
 
     def __init__(self, folder, *, static_len: int = 4096, max_step_rows: int = 64, cuda_graphs: bool | None = None,
-                 **kw):
+                 min_length: int = 256, **kw):
         super().__init__(folder, **kw)
         self.max_len = min(self.max_len, static_len)
-        self.pool = KVPool(self.model, self.max_sequences, static_len)
-        self.free_slots = list(range(self.max_sequences - 1, -1, -1))
         self.max_step_rows = max_step_rows
         self.use_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
-        self.steps: dict[tuple[int, int], StaticStep] = {}
-        self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.lengths = length_buckets(static_len, min_length)
+        self.steps: dict[tuple[int, int, int], StaticStep] = {}
+        self.capture_s = 0.0
+        with self.on_device():
+            self.pool = KVPool(self.model, self.max_sequences, static_len)
+            self._mempool = self._graph_pool() if self.use_graphs else None
+            if self.use_graphs:
+                self._capture_all()
+        self.free_slots = list(range(self.max_sequences - 1, -1, -1))
+
+    @staticmethod
+    def _graph_pool():
+        return torch.cuda.graph_pool_handle()
+
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """Every (batch, rows, length) a step can take: batch and rows as powers of two up to the
+        engine's limits, length from the length buckets."""
+        batches = [1 << i for i in range(bucket(self.max_sequences).bit_length())]
+        rows = [1 << i for i in range(bucket(self.max_step_rows).bit_length())]
+        return [(b, r, n) for b in batches for r in rows for n in self.lengths]
+
+    def _capture_all(self) -> None:
+        """Captures every shape now, so no request (and no calibration run) pays for a capture."""
+        t0 = time.perf_counter()
+        for b, r, n in self.shapes():
+            self.steps[(b, r, n)] = StaticStep(self.model, self.pool, b, r, n, True, self._mempool)
+        self.capture_s = time.perf_counter() - t0
 
     # -- slots ----------------------------------------------------------------------------------
     def _seq(self, seq_id: str) -> Sequence:
@@ -162,19 +205,21 @@ class StaticEngine(TorchEngine):
             self.free_slots.append(s.kv.slot)
 
     # -- the static step ------------------------------------------------------------------------
-    def _step(self, batch: int, rows: int) -> StaticStep:
-        key = (batch, rows)
-        if key not in self.steps:
-            self.steps[key] = StaticStep(self.model, self.pool, batch, rows, self.use_graphs, self._mempool)
+    def _step(self, batch: int, rows: int, length: int) -> StaticStep:
+        key = (batch, rows, length)
+        if key not in self.steps:  # eager steps (no graphs) are made on first use; graphs all exist already
+            self.steps[key] = StaticStep(self.model, self.pool, batch, rows, length, self.use_graphs, self._mempool)
         return self.steps[key]
 
-    def _timed_forward(self, batch: list[RowBatch], exact: bool) -> list[torch.Tensor]:
+    def _forward_on_device(self, batch: list[RowBatch], exact: bool) -> list[torch.Tensor]:
         sizes = [rb.tokens.numel() for rb in batch]
         if exact or max(sizes) > self.max_step_rows or len(batch) > self.max_sequences:
-            return super()._timed_forward(batch, exact)
+            return super()._forward_on_device(batch, exact)
         t0 = time.perf_counter()
         b, r = bucket(len(batch)), bucket(max(sizes))
         length = max(rb.start + n for rb, n in zip(batch, sizes))  # the mask's width: the slots in use
+        # the step's attention width (a length past the slot fails in reserve below, naming static_kv_len)
+        width = next((n for n in self.lengths if n >= length), self.lengths[-1])
         spare = self.pool.spare
         tokens = torch.zeros(b, r, dtype=torch.long)
         positions = torch.zeros(b, r, dtype=torch.long)
@@ -192,7 +237,7 @@ class StaticEngine(TorchEngine):
             visible = rb.visible if rb.visible is not None else torch.ones(n, rb.start + n, dtype=torch.bool).tril(rb.start)
             mask[i, :n, : rb.start + n] = visible
         dev = self.device
-        h, logits = self._step(b, r).run({
+        h, logits = self._step(b, r, width).run({
             "tokens": tokens.view(-1).to(dev), "positions": positions.view(-1).to(dev),
             "write_slot": write_slot.view(-1).to(dev), "write_pos": write_pos.view(-1).to(dev),
             "slots": slots.to(dev), "mask": mask.to(dev)})

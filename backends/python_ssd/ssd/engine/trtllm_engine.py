@@ -1,4 +1,4 @@
-"""The TensorRT-LLM 1.2.x engine for the target (draft_tokens_external) and drafter roles.
+"""The TensorRT-LLM 1.2.x engine for the target (draft_tokens_external).
 
 Same contract as TorchEngine: a call names a sequence and its *full* token list. KV reuse is TRT-LLM's
 job here: with KvCacheConfig(enable_block_reuse=True) a request whose tokens start with blocks an
@@ -9,6 +9,10 @@ Verification is one streaming executor request per round: input = prefix,
 ExternalDraftTokensConfig(draft, logits), max_tokens = len(draft) + 1. TRT-LLM checks the drafts in
 the context step and answers with the accepted tokens plus one target token; left alone the request
 would go on decoding plain target tokens up to max_tokens, so it is cancelled on that first answer.
+That saves most of the wasted iterations, not all: 1.2's executor launches the next iteration
+before it publishes the answer, and reads cancels at the top of its next pass
+(executorImpl.cpp, executionLoop), so a cancelled verify decodes one more token (two when the
+cancel misses a pass), which its final response carries and nobody uses.
 When sampling, draft logits always travel: q' rows as log q', a deterministic draft (n-gram, greedy
 drafter) as one-hot logits. Without them TRT-LLM matches the draft against a target sample and
 redraws a rejected position from the full p, where the rejected token can come back (biased).
@@ -28,11 +32,11 @@ from typing import Any
 
 import torch
 
-from ..algorithm.sampling import SamplingParams, probs_from_logits
+from ..algorithm.sampling import SamplingParams
 from .engine import common_prefix
 
 NEG = -1.0e4  # "minus infinity" for draft logits: exp underflows to 0 without inf/nan in the kernels
-VERIFY_STREAM, DRAFT_STREAM = 1, 2  # same stream ids as workers/target.py and workers/drafter.py
+VERIFY_STREAM = 1  # same stream id as workers/target.py
 
 
 @dataclass
@@ -44,9 +48,6 @@ class VerifyItem:
     draft_probs: torch.Tensor | None = None  # [len(draft), V] q' rows; None: greedy or deterministic draft
     seed: int = 0
     round: int = 0
-    want_logits: bool = False
-
-
 
 
 def round_seed(seed: int, round_index: int, stream: int) -> int:
@@ -91,7 +92,6 @@ class TrtllmEngine:
         kv = tle.KvCacheConfig(enable_block_reuse=bool(rt.get("enable_kv_cache_reuse", True)),
                                free_gpu_memory_fraction=float(rt["kv_cache_free_gpu_mem_fraction"]))
         # The decoding mode (external draft tokens for the target) comes from the engine's own config.
-        # generation logits (the drafter's q rows, a verify's want_logits) fail without gather
         cfg = tle.ExecutorConfig(max_beam_width=1, kv_cache_config=kv,
                                  enable_chunked_context=bool(rt.get("enable_chunked_context", True)),
                                  gather_generation_logits=bool(rt.get("gather_generation_logits", True)))
@@ -163,10 +163,10 @@ class TrtllmEngine:
             if any(r.has_error() or r.result.is_final for r in responses):
                 self._cancelled.remove(rid)
 
-    def _first_answers(self, ids: list[int]) -> dict[int, tuple[list[int], Any]]:
-        """Per streaming request: the tokens of its first answer (and its logits); a request that
-        is not final then is cancelled, so it decodes nothing more."""
-        got_all: dict[int, tuple[list[int], Any]] = {}
+    def _first_answers(self, ids: list[int]) -> dict[int, list[int]]:
+        """Per streaming request: the tokens of its first answer; a request that is not final then
+        is cancelled (its last response, drained later, may carry one more token)."""
+        got_all: dict[int, list[int]] = {}
         pending = list(ids)
         while pending:
             got = self.executor.await_responses(ids=pending, timeout=self.timeout)
@@ -178,34 +178,15 @@ class TrtllmEngine:
                 r = responses[0]
                 if r.has_error():
                     raise RuntimeError(f"TensorRT-LLM request {rid} failed: {r.error_msg}")
-                got_all[rid] = ([int(t) for t in r.result.output_token_ids[0]], r.result.generation_logits)
+                got_all[rid] = [int(t) for t in r.result.output_token_ids[0]]
                 pending.remove(rid)
                 if not any(x.result.is_final for x in responses if not x.has_error()):
                     self.executor.cancel_request(rid)
                     self._cancelled.append(rid)
         return got_all
 
-    def _await(self, ids: list[int]) -> dict[int, Any]:
-        """Final response per request id (non-streaming requests answer once; errors raise)."""
-        done: dict[int, Any] = {}
-        pending = list(ids)
-        while pending:
-            got = self.executor.await_responses(ids=pending, timeout=self.timeout)
-            progressed = False
-            for rid, responses in zip(list(pending), got):
-                for r in responses:
-                    if r.has_error():
-                        raise RuntimeError(f"TensorRT-LLM request {rid} failed: {r.error_msg}")
-                    if r.result.is_final:
-                        done[rid] = r
-                        pending.remove(rid)
-                        progressed = True
-            if not progressed and not any(got):
-                raise TimeoutError(f"TensorRT-LLM: no response within {self.timeout} for {len(pending)} requests")
-        return done
-
     # -- target: verification ---------------------------------------------------------------------
-    def verify_batch(self, items: list[VerifyItem]) -> list[tuple[int, int, torch.Tensor | None]]:
+    def verify_batch(self, items: list[VerifyItem]) -> list[tuple[int, int]]:
         """Enqueues every item, then awaits all: in-flight batching batches them on the GPU."""
         tle = self._tle
         self._drain_cancelled()
@@ -220,7 +201,7 @@ class TrtllmEngine:
                     logits = (self._draft_logits(it.draft_probs) if it.draft_probs is not None
                               else self._one_hot_logits(it.draft))
                 ext = tle.ExternalDraftTokensConfig(list(it.draft), logits=logits)
-            out_cfg = tle.OutputConfig(exclude_input_from_output=True, return_generation_logits=it.want_logits)
+            out_cfg = tle.OutputConfig(exclude_input_from_output=True)
             requests.append(tle.Request(
                 input_token_ids=list(it.tokens), max_tokens=len(it.draft) + 1, streaming=bool(it.draft),
                 sampling_config=self._sampling(it.params, round_seed(it.seed, it.round, VERIFY_STREAM)),
@@ -229,64 +210,22 @@ class TrtllmEngine:
         answers = self._first_answers(ids)
         out = []
         for it, rid in zip(items, ids):
-            new, gen_logits = answers[rid]
+            new = answers[rid]
             if not new:
                 raise RuntimeError(f"TensorRT-LLM returned no token for sequence {it.seq_id}")
             # The first answer is the accepted drafts plus one target token (the correction or the
             # bonus), and that token never equals the draft at its position (greedy: a mismatch;
             # sampled: the residual is 0 at a rejected token), so the common prefix is the count.
             accepted = min(common_prefix(new, it.draft), len(new) - 1)
-            logits = None
-            if it.want_logits and gen_logits is not None:
-                logits = torch.as_tensor(gen_logits).float().cpu()[0]
             self._live[it.seq_id] = len(it.tokens) + accepted + 1
-            out.append((accepted, int(new[accepted]), logits))
+            out.append((accepted, int(new[accepted])))
         return out
 
     def verify_external(self, seq_id: str, tokens: list[int], draft: list[int], params: SamplingParams, *,
-                        draft_probs: torch.Tensor | None = None, seed: int = 0, round_index: int = 0,
-                        want_logits: bool = False) -> tuple[int, int, torch.Tensor | None]:
-        """-> (accepted, target token, generation logits or None)."""
-        item = VerifyItem(seq_id, tokens, draft, params, draft_probs, seed, round_index, want_logits)
-        return self.verify_batch([item])[0]
-
-    # -- drafter ----------------------------------------------------------------------------------
-    def draft_batch(self, calls: list[tuple[str, list[int], int, SamplingParams, int, int]]
-                    ) -> list[tuple[list[int], torch.Tensor | None]]:
-        """calls: (seq_id, tokens, k, params, seed, round) -> (k tokens, q rows [k, V] or None).
-
-        q rows are probs_from_logits of the drafter's generation logits: the distribution TRT-LLM
-        sampled from (same temperature / top-k / top-p). No Saguaro reshaping on this path."""
-        tle = self._tle
-        requests = []
-        for seq_id, tokens, k, params, seed, rnd in calls:
-            if k < 1:
-                raise ValueError(f"draft length must be at least 1, got {k}")
-            self.check_lengths(len(tokens), 0, k)
-            out_cfg = tle.OutputConfig(exclude_input_from_output=True, return_generation_logits=not params.greedy)
-            # end_id -1: never stop early, the verifier expects k tokens
-            requests.append(tle.Request(input_token_ids=list(tokens), max_tokens=k, streaming=False, end_id=-1,
-                                        sampling_config=self._sampling(params, round_seed(seed, rnd, DRAFT_STREAM)),
-                                        output_config=out_cfg))
-        ids = list(self.executor.enqueue_requests(requests))
-        responses = self._await(ids)
-        out = []
-        for (seq_id, tokens, k, params, _, _), rid in zip(calls, ids):
-            res = responses[rid].result
-            toks = [int(t) for t in res.output_token_ids[0]][:k]
-            probs = None
-            if not params.greedy and res.generation_logits is not None:
-                rows = torch.as_tensor(res.generation_logits).float().cpu()[0, : len(toks)]  # [beam, n, V]
-                if self.vocab_size:
-                    rows = rows[:, : self.vocab_size]
-                probs = probs_from_logits(rows, params)
-            self._live[seq_id] = len(tokens)
-            out.append((toks, probs))
-        return out
-
-    def draft(self, seq_id: str, tokens: list[int], k: int, params: SamplingParams, *, seed: int = 0,
-              round_index: int = 0) -> tuple[list[int], torch.Tensor | None]:
-        return self.draft_batch([(seq_id, tokens, k, params, seed, round_index)])[0]
+                        draft_probs: torch.Tensor | None = None, seed: int = 0, round_index: int = 0
+                        ) -> tuple[int, int]:
+        """-> (accepted, target token)."""
+        return self.verify_batch([VerifyItem(seq_id, tokens, draft, params, draft_probs, seed, round_index)])[0]
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def release(self, seq_id: str) -> None:

@@ -56,7 +56,12 @@ class OrchestratorModel:
             self.shared.policy.trace = lambda ev: self._trace_file.write(
                 json.dumps({"t": round(time.time(), 3), **ev}) + "\n")
         # concurrent sequences reach the engines together (see decoding/coalescer.py); 0 disables
-        self.bls = bls = BLSClient()
+        if cfg.target_backend == "tensorrtllm":  # the target is Triton's TensorRT-LLM backend
+            from .trtllm_backend_client import TrtllmBackendClient
+            bls = TrtllmBackendClient(cfg.target_vocab_size)
+        else:
+            bls = BLSClient()
+        self.bls = bls
         remove_stale()  # flags of servers killed before they could unlink theirs
         self.waiting = WaitingFlag.for_target(bls.models["target"])
         self.client = CoalescingClient(bls, expected=lambda: self.shared.active,
@@ -231,9 +236,8 @@ class OrchestratorModel:
         batch = self.cfg.max_active_requests
         if self.cfg.max_verify_rows:  # the largest batch whose two-row verify is one tile
             batch = max(1, min(batch, self.cfg.max_verify_rows // 2))
-        try:  # the engines calibration times; tools/triton_launcher.py loads them first
-            for model in ("target", "drafter"):
-                await self.bls.ping(model)
+        try:  # any engine model answers so (the drafter is always this backend's own)
+            await self.bls.ping("drafter")
         except CallError as e:
             if SERVER_STARTING in str(e):
                 return False

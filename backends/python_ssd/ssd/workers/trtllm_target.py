@@ -34,7 +34,7 @@ class TrtllmTargetWorker:
         items = [VerifyItem(calls[i].seq_id, calls[i].tokens, calls[i].draft, calls[i].params, calls[i].draft_probs,
                             calls[i].seed, calls[i].round) for i in good]
         t0 = time.perf_counter()
-        results = [VerifyResult(accepted, token) for accepted, token, _ in self.engine.verify_batch(items)]
+        results = [VerifyResult(accepted, token) for accepted, token in self.engine.verify_batch(items)]
         # in-flight batching runs these as one step: report it as one forward of all their rows
         rows = sum(len(calls[i].draft) + 1 for i in good)
         for i, r in zip(good, attach_timing(results, [(rows, time.perf_counter() - t0)])):
