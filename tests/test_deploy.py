@@ -126,12 +126,20 @@ def test_the_image_keeps_tensorrt_llms_own_dependencies() -> None:
 
 
 def test_the_container_serves_with_explicit_model_control() -> None:
-    """The supervisor reloads a dead engine over the model-control API: explicit mode, every model loaded."""
+    """The supervisor reloads a dead engine over the model-control API: explicit mode. The engines load
+    at start, the orchestrator (its warmup calls them over BLS) once they are READY; the pod starts
+    only when the orchestrator is READY."""
     import json
+    import subprocess
 
     (cmd,) = [line for line in _dockerfile_runs() if line.startswith("CMD ")]
-    argv = json.loads(cmd[len("CMD "):])
-    assert argv[0] == "tritonserver" and "--model-control-mode=explicit" in argv and "--load-model=*" in argv
+    assert json.loads(cmd[len("CMD "):]) == ["bash", "deploy/k8s/serve.sh"]
+    script = (REPO / "deploy/k8s/serve.sh").read_text()
+    assert "--model-control-mode=explicit" in script and "/v2/repository/models/$model/load" in script
+    subprocess.run(["bash", "-n", str(REPO / "deploy/k8s/serve.sh")], check=True)
+    (container,) = yaml.safe_load((REPO / "deploy/k8s/deployment.yaml").read_text())["spec"]["template"]["spec"][
+        "containers"]
+    assert container["startupProbe"]["httpGet"]["path"] == "/v2/models/ssd/ready"
 
 
 def test_engines_hold_every_request_the_orchestrator_admits() -> None:
