@@ -17,7 +17,7 @@ from ssd_openai.errors import ApiError
 # SSD's knobs, accepted as extra body fields and passed through as the generate inputs of the same name
 SSD_FIELDS = {
     "mode": str, "num_draft_tokens": int, "fanout_budget": int, "fanout_shape": str, "saguaro_c": float,
-    "backup": str, "step_aside": bool, "adaptive_k": bool, "top_k": int,
+    "backup": str, "step_aside": bool, "adaptive_k": bool, "free_drafts": bool, "top_k": int,
 }
 ROLES = ("system", "user", "assistant", "tool", "developer")
 

@@ -37,6 +37,9 @@ class DecodeConfig:
     backup: str = "auto"
     step_aside: bool = True  # ssd only: the scheduler may run SD or AR rounds when they predict more
     adaptive_k: bool = True  # ssd only: the scheduler picks each choice's K up to k
+    # ssd only: lookup rounds where the server offers them (ServerConfig.free_drafts); false also
+    # keeps the request's text out of the suffix cache
+    free_drafts: bool = True
 
     def allowed(self, wide: bool = False, lookup: bool = False) -> tuple[str, ...]:
         """The choices the scheduler may make for this request: ar and sd requests run their mode
@@ -47,7 +50,7 @@ class DecodeConfig:
         ssd = ("ssd+neural", "ssd+fast") if self.backup == "auto" else (f"ssd+{self.backup}",)
         if not self.step_aside:
             return ssd
-        free = (("lookup@wide" if wide else "lookup"),) if lookup else ()
+        free = (("lookup@wide" if wide else "lookup"),) if lookup and self.free_drafts else ()
         return ssd + ("sd", "ar") + (("sd@wide", "ar@wide") if wide else ()) + free
 
     def validate(self, label: Callable[[str], str] = lambda name: f"input '{name}'") -> None:
@@ -136,7 +139,7 @@ class ServerConfig:
     def decode_defaults(self) -> DecodeConfig:
         return DecodeConfig(mode=self.default_mode, k=self.num_draft_tokens, fanout_budget=self.fanout_budget,
                             fanout_shape=self.fanout_shape, saguaro_c=self.saguaro_c, backup=self.backup,
-                            step_aside=self.step_aside, adaptive_k=self.adaptive_k)
+                            step_aside=self.step_aside, adaptive_k=self.adaptive_k, free_drafts=self.free_drafts)
 
     def validate(self) -> None:
         names = {"mode": "default_mode"}

@@ -175,7 +175,7 @@ class Generation:
         finally:
             self.shared.backlog.pop(self.seq_id, None)
             self.shared.lookup.pop(self.seq_id, None)
-            if self.shared.suffix_cache is not None:
+            if self.shared.suffix_cache is not None and self.cfg.free_drafts:
                 self.shared.suffix_cache.add(self.sequence)
             self.shared.add_active(-1)
 

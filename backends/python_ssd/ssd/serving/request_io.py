@@ -88,7 +88,8 @@ def parse_request(request, defaults: DecodeConfig, default_max_tokens: int, max_
         saguaro_c=_scalar(request, "saguaro_c", float, defaults.saguaro_c),
         backup=_scalar(request, "backup", str, defaults.backup).lower(),
         step_aside=_scalar(request, "step_aside", bool, defaults.step_aside),
-        adaptive_k=_scalar(request, "adaptive_k", bool, defaults.adaptive_k))
+        adaptive_k=_scalar(request, "adaptive_k", bool, defaults.adaptive_k),
+        free_drafts=_scalar(request, "free_drafts", bool, defaults.free_drafts))
     decode.validate()  # the same limits as the server's defaults (config.py)
     return GenerateRequest(
         text=text, max_tokens=max_tokens, params=SamplingParams(temperature, top_p, top_k), seed=seed,
