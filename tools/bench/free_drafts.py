@@ -66,7 +66,8 @@ def summarize(rows: list[dict], sides: list[str]) -> dict:
             seconds = sum(max(r["tokens"] - 1, 0) / r["decode_tps"] for r in rs if r["decode_tps"])
             per[side] = {"tokens": tokens, "decode_s": round(seconds, 2),
                          "decode_tps": round(tokens / seconds, 2) if seconds else 0.0}
-        ref = {r["prompt"]: r["ids"] for r in rows if r["workload"] == wl and r["side"] == "ours-nofree"}
+        ref_side = "ours-nofree" if "ours-nofree" in sides else sides[0]
+        ref = {r["prompt"]: r["ids"] for r in rows if r["workload"] == wl and r["side"] == ref_side}
         for side in sides:
             rs = [r for r in rows if r["workload"] == wl and r["side"] == side]
             per[side]["same_ids_as_nofree"] = f"{sum(r['ids'] == ref.get(r['prompt']) for r in rs)}/{len(rs)}"
@@ -83,7 +84,8 @@ def main() -> None:
     ap.add_argument("--workloads", default="edits,agent,mix")
     ap.add_argument("--prompts", type=int, default=6, help="prompts a workload")
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--peers", default=",".join(NGRAM_PEERS), help="llama-server n-gram peers (llama-ar always runs)")
+    ap.add_argument("--sides", default=",".join(["ours", "ours-nofree", "llama-ar", *NGRAM_PEERS]),
+                    help="which sides run (ours always does)")
     ap.add_argument("--config", type=Path, default=REPO / "engines/default.yaml")
     ap.add_argument("--engine-root", type=Path, default=REPO / "engines")
     ap.add_argument("--out", type=Path, default=REPO / "results/free_drafts")
@@ -94,10 +96,11 @@ def main() -> None:
     pair = config_pair(a.config, a.engine_root)
     codec = TextCodec(a.engine_root / pair.target)
     target = gguf_by_role(a.config, a.engine_root)["target"]
-    binary = build()
-    peers = {"llama-ar": PeerConfig(target, label="llama-ar")}
-    peers |= {name: PeerConfig(target, extra=NGRAM_PEERS[name], label=name) for name in a.peers.split(",") if name}
-    sides = ["ours", "ours-nofree", *peers]
+    wanted = ["ours"] + [x for x in a.sides.split(",") if x and x != "ours"]
+    peers = {name: PeerConfig(target, extra=NGRAM_PEERS.get(name, ()), label=name)
+             for name in wanted if name.startswith("llama-")}
+    binary = build() if peers else None
+    sides = wanted
     rows: list[dict] = []
     server = start_pair(pair, "free_drafts", "split")
     url = f"http://{server.http_url}"
