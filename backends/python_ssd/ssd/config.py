@@ -50,7 +50,7 @@ class DecodeConfig:
         ssd = ("ssd+neural", "ssd+fast") if self.backup == "auto" else (f"ssd+{self.backup}",)
         if not self.step_aside:
             return ssd
-        free = (("lookup@wide" if wide else "lookup"),) if lookup and self.free_drafts else ()
+        free = (("lookup", "lookup@wide") if wide else ("lookup",)) if lookup and self.free_drafts else ()
         return ssd + ("sd", "ar") + (("sd@wide", "ar@wide") if wide else ()) + free
 
     def validate(self, label: Callable[[str], str] = lambda name: f"input '{name}'") -> None:
