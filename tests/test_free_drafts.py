@@ -180,3 +180,14 @@ def test_lookup_records_correct_the_prior_not_replace_it():
     assert est_edit[LOOKUP_WIDE] == pytest.approx(0.5 * s.model.rates(1, 4, 8, edit)[LOOKUP_WIDE], rel=0.1)
     assert est_chat[LOOKUP_WIDE] < 0.6 * s.model.rates(1, 4, 8, chat)[LOOKUP_WIDE]
     assert est_chat[LOOKUP_WIDE] < est_chat[AR_WIDE]
+
+
+def test_a_request_may_opt_out_and_pinned_requests_never_get_lookup_rounds():
+    from ssd.config import DecodeConfig
+
+    assert DecodeConfig().allowed(wide=True, lookup=True)[-2:] == ("lookup", "lookup@wide")
+    assert DecodeConfig().allowed(wide=False, lookup=True)[-1] == "lookup"
+    assert not any("lookup" in c for c in DecodeConfig(free_drafts=False).allowed(wide=True, lookup=True))
+    assert not any("lookup" in c for c in DecodeConfig().allowed(wide=True, lookup=False))  # server off
+    assert DecodeConfig(mode="sd").allowed(wide=True, lookup=True) == ("sd",)
+    assert ServerConfig(free_drafts=False).decode_defaults().free_drafts is False
