@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test venv venv-dev engines bench bench-quick loadtest aiperf soak clean llama-server
+.PHONY: serve test venv venv-dev engines bench bench-quick bench-free loadtest aiperf soak clean llama-server
 
 # The pinned serving stack (requirements.txt) and llama-cpp-python, patched and built from source
 # once per user and CPU (tools/llamacpp/install_llama_cpp_python.sh keeps the wheel in ~/.cache/ssd),
@@ -46,6 +46,11 @@ bench-quick: engines $(DEV_STAMP)
 
 bench: engines $(DEV_STAMP)
 	$(PY) tools/bench/run.py --preset full
+
+# free drafts (lookup rounds) on code edits, repeated agent tasks and the mix, against llama-server's
+# AR and n-gram speculation, side by side (results/free_drafts/report.md)
+bench-free: engines $(DEV_STAMP)
+	$(PY) tools/bench/free_drafts.py --out results/free_drafts
 
 # llama.cpp's llama-server (the bench's llama.cpp peer), built from the pinned llama-cpp-python sdist
 # into build/llama.cpp-<version>/ (tools/llamacpp/build_llama_server.sh); bench runs build it if missing.

@@ -11,7 +11,8 @@ output tokens (len(output_ids)), so output tokens/s = its Requests/s x Average C
 SSD_SUMMARY set, a JSON summary (tokens, first start, last end, exact latencies) is written at exit.
 
 Environment: SSD_MODE (ar|sd|ssd, default ssd), SSD_MAX_TOKENS (default 64), SSD_DATASETS
-(default humaneval,gsm8k,mtbench), SSD_PROMPTS_PER_DATASET (default 16), SSD_SUMMARY (path).
+(default humaneval,gsm8k,mtbench; also edits, agent: the free-draft workloads),
+SSD_PROMPTS_PER_DATASET (default 16), SSD_SUMMARY (path).
 Greedy (temperature 0). Pick users with the class argument (`locust ... GenerateUser`); bound a run
 with --run-time or --iterations/-i (total tasks over all users). Targets are 127.0.0.1 only.
 

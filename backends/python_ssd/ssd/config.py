@@ -20,7 +20,9 @@ from .algorithm.scheduler import PolicyConfig
 MODES = ("ar", "sd", "ssd")
 BACKUPS = ("auto", "neural", "fast")
 FANOUT_SHAPES = ("uniform", "geometric")
-CHOICE_NAMES = ("ssd+neural", "ssd+fast", "sd", "ar", "sd@wide", "ar@wide")  # what force_mode may pin (scheduler.Choice)
+CHOICE_NAMES = ("ssd+neural", "ssd+fast", "sd", "ar", "sd@wide", "ar@wide", "lookup", "lookup@wide")  # what force_mode may pin (scheduler.Choice)
+SUFFIX_SCOPES = ("global", "request")
+LOOKUP_K_MAX = 31  # a free draft's longest: K + 1 verify rows within the target's 32-row tile
 # K: a round verifies K + 1 rows per sequence; past 7 the acceptance^K tail adds almost nothing and
 # the verify leaves the batch-invariant target's 32-row tile at 4 sequences already
 K_MIN, K_MAX = 1, 7
@@ -43,17 +45,21 @@ class DecodeConfig:
     backup: str = "auto"
     step_aside: bool = True  # ssd only: the scheduler may run SD or AR rounds when they predict more
     adaptive_k: bool = True  # ssd only: the scheduler picks each choice's K up to k
+    # ssd only: lookup rounds where the server offers them (ServerConfig.free_drafts); false also
+    # keeps the request's text out of the suffix cache
+    free_drafts: bool = True
 
-    def allowed(self, wide: bool = False) -> tuple[str, ...]:
+    def allowed(self, wide: bool = False, lookup: bool = False) -> tuple[str, ...]:
         """The choices the scheduler may make for this request: ar and sd requests run their mode
         on the split layout (the baselines); an ssd request may step aside to SD and AR, on the
-        wide layout too where the server offers it (``wide``)."""
+        wide layout too where the server offers it (``wide``), and to free drafts (``lookup``)."""
         if self.mode != "ssd":
             return (self.mode,)
         ssd = ("ssd+neural", "ssd+fast") if self.backup == "auto" else (f"ssd+{self.backup}",)
         if not self.step_aside:
             return ssd
-        return ssd + ("sd", "ar") + (("sd@wide", "ar@wide") if wide else ())
+        free = (("lookup", "lookup@wide") if wide else ("lookup",)) if lookup and self.free_drafts else ()
+        return ssd + ("sd", "ar") + (("sd@wide", "ar@wide") if wide else ()) + free
 
     def validate(self, label: Callable[[str], str] = lambda name: f"input '{name}'") -> None:
         """Raises ValueError naming the offending field, as ``label`` spells it (a request input
@@ -129,6 +135,15 @@ class ServerConfig:
     # its engine's padded vocabulary, the width of draft logits (0: the drafter's rows as they are)
     target_backend: str = "python_ssd"
     target_vocab_size: int = 0
+    # free drafts (algorithm/free_draft.py): lookup rounds, SD whose drafts come from the request's
+    # own text and the suffix cache, offered to the scheduler; their longest draft
+    free_drafts: bool = True
+    lookup_max_k: int = 16
+    # the suffix cache of earlier requests' prompts and outputs: its bound in tokens (0: off; about
+    # 150 bytes a token) and its scope: global (every request drafts from every earlier one) or
+    # request (a request drafts from its own text only)
+    suffix_cache_tokens: int = 65536
+    suffix_cache_scope: str = "global"
     # the scheduler's knobs (algorithm/scheduler.py), set by parameters of their own names
     policy: PolicyConfig = field(default_factory=PolicyConfig)
 
@@ -151,7 +166,7 @@ class ServerConfig:
     def decode_defaults(self) -> DecodeConfig:
         return DecodeConfig(mode=self.default_mode, k=self.num_draft_tokens, fanout_budget=self.fanout_budget,
                             fanout_shape=self.fanout_shape, saguaro_c=self.saguaro_c, backup=self.backup,
-                            step_aside=self.step_aside, adaptive_k=self.adaptive_k)
+                            step_aside=self.step_aside, adaptive_k=self.adaptive_k, free_drafts=self.free_drafts)
 
     def validate(self) -> None:
         names = {"mode": "default_mode"}
@@ -185,6 +200,19 @@ class ServerConfig:
               f"must be one of {', '.join(TARGET_BACKENDS)}, got {self.target_backend!r}")
         check(self.target_vocab_size >= 0, "target_vocab_size", f"must be >= 0, got {self.target_vocab_size}")
         self.policy.validate()
+        check(1 <= self.lookup_max_k <= LOOKUP_K_MAX, "lookup_max_k",
+              f"must be in 1..{LOOKUP_K_MAX}, got {self.lookup_max_k}")
+        check(self.suffix_cache_tokens >= 0, "suffix_cache_tokens", f"must be >= 0, got {self.suffix_cache_tokens}")
+        check(self.suffix_cache_scope in SUFFIX_SCOPES, "suffix_cache_scope",
+              f"must be one of {', '.join(SUFFIX_SCOPES)}, got {self.suffix_cache_scope!r}")
+
+    def suffix_cache(self):
+        """The server's suffix cache, or None where it is off or its scope is the request."""
+        from .algorithm.suffix_cache import SuffixCache
+
+        if not self.free_drafts or self.suffix_cache_tokens == 0 or self.suffix_cache_scope != "global":
+            return None
+        return SuffixCache(self.suffix_cache_tokens)
 
 
 ROLES = ("target", "drafter", "fast_backup")

@@ -4,7 +4,11 @@ With K draft tokens, B speculation branches per sequence and b sequences decodin
 
     AR        1 / T_t(b)
     SD        E_sd(K) / (K T_d(b) + T_t(b(K+1)))
-    AR@wide, SD@wide: the same with the engines' curves at every core (W_t, W_d); where a wide
+    LOOKUP    E_l(K) / (T_lookup + T_t(b R_l(K)))   free drafts (free_draft.py): no drafter computes;
+              E_l, R_l: the batch's expected tokens and verify rows a sequence at K, from each
+              request's own lookup estimate (lookup_estimate.py); K is the lookup's own, up to
+              the longest draft a verify keeps exact (LookupOutlook.k_max)
+    AR@wide, SD@wide, LOOKUP@wide: the same with the engines' curves at every core (W_t, W_d); where a wide
               forward of that size was not measured, the split curve's shape (no gain assumed
               until measured: the bandit tries them)
     SSD(kind) [p E_hit(K) + (1-p) E_miss(K)] / (max(T_v, T_s) + (1 - p^b) T_backup(kind))
@@ -28,6 +32,7 @@ import math
 from dataclasses import dataclass, field
 
 from .estimators import Acceptance, Ema
+from .lookup_estimate import LookupOutlook
 from .rounds import Choice, RoundRecord
 
 
@@ -99,6 +104,7 @@ class CostModel:
                                                    "fast": Acceptance(0.25)})
     p_hit: dict = field(default_factory=lambda: {"model": Ema(0.6), "fast": Ema(0.8)})  # by verified draft
     t_fast: Ema = field(default_factory=lambda: Ema(0.002))  # seconds per n-gram backup call
+    t_lookup: Ema = field(default_factory=lambda: Ema(0.0005))  # seconds per free draft (in the orchestrator)
     # the drafter's prefill seconds a row, split (False) and wide (True), where calibration measured it
     catch_up_row_seconds: dict = field(default_factory=dict)
 
@@ -106,8 +112,9 @@ class CostModel:
     def known(self) -> bool:
         return self.target.known and self.drafter.known
 
-    def rates(self, batch: int, k: int, budget: int) -> dict[str, float]:
-        """Each choice's tokens/s per sequence (all 0 until both engines reported a forward)."""
+    def rates(self, batch: int, k: int, budget: int, lookup: LookupOutlook | None = None) -> dict[str, float]:
+        """Each choice's tokens/s per sequence (all 0 until both engines reported a forward);
+        ``lookup``: the batch's free-draft outlook (None: no draft expected, an AR step's price)."""
         if not self.known:
             return {c: 0.0 for c in Choice}
         b, T_t, T_d = max(batch, 1), self.target, self.drafter
@@ -124,14 +131,37 @@ class CostModel:
             t_s = T_d(b * glue) + k * T_d(b * budget)
             tokens = p * e_hit + (1 - p) * self.accept[c.backup].tokens(k)
             out[c] = tokens / (max(t_v, t_s) + (1 - p ** b) * self.backup_seconds(c.backup, b, k))
+        o = lookup or LookupOutlook()
+        out[Choice.LOOKUP] = self._lookup_best(T_t, b, o)[0]
+        out[Choice.LOOKUP_WIDE] = self._lookup_best(W_t, b, o)[0]
         return out
 
-    def rates_at(self, batch: int, k: int, budget: int, ks: dict | None) -> dict[str, float]:
-        """``rates`` with each choice at its own K (``ks``) and that K's tree budget; None: all at ``k``."""
+    def lookup_k(self, batch: int, lookup: LookupOutlook, wide: bool) -> int:
+        """The free drafts' K with the most predicted tokens/s on the layout's curve."""
+        if not self.known:
+            return lookup.k_max
+        curve = self.target_wide.along(self.target) if wide else self.target
+        return self._lookup_best(curve, max(batch, 1), lookup)[1]
+
+    def _lookup_best(self, curve, b: int, o: LookupOutlook) -> tuple[float, int]:
+        """(tokens/s, K) of the best free-draft K <= ``o.k_max`` (a shorter K must predict k_margin more)."""
+        best = (0.0, 1)
+        for k in range(max(o.k_max, 1), 0, -1):
+            rate = o.tokens(k) / (self.t_lookup.value + curve(b * o.rows(k)))
+            if rate > best[0] * (1 + self.k_margin):
+                best = (rate, k)
+        return best
+
+    def rates_at(self, batch: int, k: int, budget: int, ks: dict | None,
+                 lookup: LookupOutlook | None = None) -> dict[str, float]:
+        """``rates`` with each choice at its own K (``ks``) and that K's tree budget; None: all at ``k``.
+        Free drafts pick their own K (``lookup_k``)."""
         if ks is None:
-            return self.rates(batch, k, budget)
-        at = {kc: self.rates(batch, kc, self.tree_budget(batch, kc, budget)) for kc in set(ks.values())}
-        return {c: at[kc][c] for c, kc in ks.items()}
+            return self.rates(batch, k, budget, lookup)
+        at = {kc: self.rates(batch, kc, self.tree_budget(batch, kc, budget), lookup) for kc in set(ks.values())}
+        out = {c: at[kc][c] for c, kc in ks.items()}
+        any_k = next(iter(at.values()))
+        return {c: out.get(c, any_k[c]) for c in any_k}
 
     def best_k(self, batch: int, k_max: int, budget: int) -> dict[str, int]:
         """Each choice's K <= ``k_max`` with the most predicted tokens/s (with its tree budget).
@@ -204,3 +234,5 @@ class CostModel:
             self.p_hit["fast" if rec.source == "fast" else "model"].update(float(rec.hit))
         if rec.source == "fast" and rec.draft_seconds > 0:
             self.t_fast.update(rec.draft_seconds)
+        if rec.source == "lookup" and rec.draft_seconds > 0:
+            self.t_lookup.update(rec.draft_seconds)

@@ -14,7 +14,8 @@ class Choice(str, Enum):
     Split (the default): target and drafter on a core each, one thread each, so SSD's verify and
     speculation run side by side. Wide ("@wide"): the engine that computes gets every core the
     server has (SD drafts, then verifies, serially; AR verifies), which pays where a second thread
-    speeds a forward more than running the drafter beside it does."""
+    speeds a forward more than running the drafter beside it does. Lookup: SD whose drafts are free
+    (free_draft.py: the request's own text and the suffix cache), the target alone computing."""
 
     SSD_NEURAL = "ssd+neural"
     SSD_FAST = "ssd+fast"
@@ -22,6 +23,8 @@ class Choice(str, Enum):
     AR = "ar"
     SD_WIDE = "sd@wide"
     AR_WIDE = "ar@wide"
+    LOOKUP = "lookup"
+    LOOKUP_WIDE = "lookup@wide"
 
     def __str__(self) -> str:
         return self.value
@@ -38,14 +41,19 @@ class Choice(str, Enum):
     def backup(self) -> str:
         return self.value.partition("+")[2] or "neural"
 
+    @property
+    def uses_drafter(self) -> bool:
+        """Whether its rounds run the drafter (and so first bring it up to the sequence)."""
+        return self.mode not in ("ar", "lookup")
+
     def switch_is_free(self, other: "Choice") -> bool:
         """Choices of one mode share everything but the layout (or, for SSD, the backup), and AR
-        needs neither a draft nor the drafter; any other change costs a round (no cached draft; the
-        drafter's catch-up is priced apart, Scheduler.after_catch_up)."""
-        return self.mode == other.mode or other.mode == "ar"
+        and lookup need neither a cached draft nor the drafter; any other change costs a round (no
+        cached draft; the drafter's catch-up is priced apart, Scheduler.after_catch_up)."""
+        return self.mode == other.mode or not other.uses_drafter
 
 
-SPLIT_CHOICES = tuple(c for c in Choice if not c.wide)
+SPLIT_CHOICES = tuple(c for c in Choice if not c.wide and c.mode != "lookup")  # what a server without free drafts offers
 
 
 @dataclass(frozen=True)
@@ -57,7 +65,7 @@ class RoundRecord:
     batch: int  # sequences decoding when the round began
     tokens: int  # tokens it produced: the accepted ones plus the target's own
     seconds: float  # wall time, draft to accepted block
-    source: str  # where its draft came from: cache | neural | fast | draft (SD) | none (AR)
+    source: str  # where its draft came from: cache | neural | fast | draft (SD) | lookup | none (AR)
     drafted: int  # draft tokens verified
     hit: bool | None  # whether the verified outcome was pre-drafted (None: nothing was speculated)
     target_timing: tuple = ()  # the engines' forwards as (rows, seconds)
@@ -71,6 +79,7 @@ class RoundRecord:
     after_switch: bool = False  # the request's first round after a costly change of choice
     steps: int = 1  # target steps it took: an AR round may decode several tokens in one call
     prompt_seconds: float = 0.0  # of ``seconds``, the target's work on new requests' prompts batched with it
+    predicted_rate: float = 0.0  # the cost model's tokens/s for the choice when it was chosen (lookup rounds)
 
     @property
     def own_seconds(self) -> float:

@@ -24,6 +24,10 @@ A choice that drafts after AR rounds first gives the drafter every token it has 
 batch's prompts, when they were prefilled on a wide layout, and the AR rounds' tokens): its
 estimate counts those seconds, spread over the tokens the batch's sequences still have to make, so
 a batch near its end does not switch into a catch-up it cannot earn back.
+Free drafts (lookup, lookup@wide) are priced from each request's own acceptance (``lookup``, the
+batch's LookupOutlook), so their record cannot hold a rate: a rate measured on an edit says nothing
+of a chat. It holds what the rounds made against what their prior predicted when they were
+chosen, and the estimate is the prior of now times that ratio.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import math
 from dataclasses import dataclass, field
 
 from .cost_model import CostModel, StepCost
+from .lookup_estimate import LookupOutlook
 from .rounds import SPLIT_CHOICES, Choice, RoundRecord
 
 
@@ -62,6 +67,7 @@ class Decision:
     reason: str  # policy | explore | forced | request | warmup | drafter down
     rates: dict = field(default_factory=dict)  # estimated tokens/s per sequence, per choice
     ks: dict = field(default_factory=dict)  # each choice's K this round (empty: the request's)
+    prior: dict = field(default_factory=dict)  # the cost model's tokens/s per sequence, per choice
 
     @property
     def mode(self) -> str:
@@ -81,15 +87,17 @@ class Discounted:
     seconds: float = 0.0
     weight: float = 0.0
     at: float = 0.0
+    expected: float = 0.0  # tokens the prior predicted in those seconds when each round was chosen
 
     def decayed(self, now: float, half_life: float) -> "Discounted":
         f = 0.5 ** (max(now - self.at, 0.0) / half_life)
-        return Discounted(self.tokens * f, self.seconds * f, self.weight * f, now)
+        return Discounted(self.tokens * f, self.seconds * f, self.weight * f, now, self.expected * f)
 
-    def add(self, tokens: float, seconds: float, weight: float) -> None:
+    def add(self, tokens: float, seconds: float, weight: float, expected: float = 0.0) -> None:
         self.tokens += weight * tokens
         self.seconds += weight * seconds
         self.weight += weight
+        self.expected += weight * expected
 
 
 def bucket(batch: int) -> int:
@@ -112,28 +120,30 @@ class Scheduler:
         self._asked: set = set()
 
     def choose(self, batch: int, k: int, budget: int, allowed=SPLIT_CHOICES, seq: str | None = None,
-               adaptive_k: bool = False, owed_rows: int = 0, tokens_left: float = 0.0) -> Decision:
+               adaptive_k: bool = False, owed_rows: int = 0, tokens_left: float = 0.0,
+               lookup: LookupOutlook | None = None) -> Decision:
         """The choice for sequence ``seq``'s next round among ``allowed``. A round of the batch
         starts when a sequence asks again (or ``seq`` is None); every sequence asking within it
         gets the same answer, so a change moves the whole batch at once. ``owed_rows``: tokens the
-        batch's drafter caches lack; ``tokens_left``: what each sequence still has to make (mean)."""
+        batch's drafter caches lack; ``tokens_left``: what each sequence still has to make (mean);
+        ``lookup``: the batch's free-draft outlook."""
         allowed = tuple(Choice(c) for c in allowed)
         if forced := self._forced(allowed):
             return Decision(forced, "forced")
         if self.forced_backup:
             allowed = tuple(c for c in allowed if c.mode != "ssd" or c.backup == self.forced_backup) or allowed
         if len(allowed) == 1:
-            rates = self.model.rates(batch, k, budget) if self.model.known else {}
-            return Decision(allowed[0], "forced" if self.forced_backup else "request", rates)
+            rates = self.model.rates(batch, k, budget, lookup) if self.model.known else {}
+            return Decision(allowed[0], "forced" if self.forced_backup else "request", rates, prior=rates)
         if not self.model.known:
             return Decision(self.current if self.current in allowed else allowed[0], "warmup")
         if seq is None or seq in self._asked or self._round is None:
             self._asked.clear()
-            self._round = self._next_round(batch, k, budget, allowed, adaptive_k, owed_rows, tokens_left)
+            self._round = self._next_round(batch, k, budget, allowed, adaptive_k, owed_rows, tokens_left, lookup)
         self._asked.add(seq)
         d = self._round
         choice = d.choice if d.choice in allowed else max(allowed, key=lambda c: d.rates[c])
-        return Decision(choice, d.reason if choice == d.choice else "policy", d.rates, d.ks)
+        return Decision(choice, d.reason if choice == d.choice else "policy", d.rates, d.ks, d.prior)
 
     def running(self, allowed=SPLIT_CHOICES) -> Choice:
         """The choice the batch runs now among ``allowed``: a new request's prefill takes its layout,
@@ -146,10 +156,11 @@ class Scheduler:
         forced = Choice(self.forced_mode) if self.forced_mode else None
         return forced if forced in allowed else None
 
-    def estimates(self, batch: int, k: int, budget: int, ks: dict | None = None, prior: dict | None = None):
+    def estimates(self, batch: int, k: int, budget: int, ks: dict | None = None, prior: dict | None = None,
+                  lookup: LookupOutlook | None = None):
         """(estimated tokens/s, weight in rounds) per choice at this batch size (see the top);
         ``prior``: the cost model's rates, where the caller has them."""
-        prior = prior or self.model.rates_at(batch, k, budget, ks)
+        prior = prior or self.model.rates_at(batch, k, budget, ks, lookup)
         recs = {c: self.records.get((c, bucket(batch)), Discounted()).decayed(self.clock, self.cfg.half_life_s)
                 for c in Choice}
 
@@ -157,11 +168,16 @@ class Scheduler:
             expected = sum(prior[c] * recs[c].seconds for c in choices)
             return min(max(sum(recs[c].tokens for c in choices) / expected, 0.1), 10.0) if expected > 0 else None
 
-        pooled = shortfall(list(Choice)) or 1.0
-        by_mode = {m: shortfall([c for c in Choice if c.mode == m]) for m in {c.mode for c in Choice}}
+        rated = [c for c in Choice if c.mode != "lookup"]
+        pooled = shortfall(rated) or 1.0
+        by_mode = {m: shortfall([c for c in rated if c.mode == m]) for m in {c.mode for c in rated}}
         p = self.cfg.prior_rounds
         est = {c: (p * (by_mode[c.mode] or pooled) * prior[c] + r.tokens / max(r.seconds, 1e-9) * r.weight)
-               / (p + r.weight) for c, r in recs.items()}
+               / (p + r.weight) for c, r in recs.items() if c.mode != "lookup"}
+        for c in (Choice.LOOKUP, Choice.LOOKUP_WIDE):  # per request: the prior of now, corrected as measured
+            r = recs[c]
+            ratio = min(max(r.tokens / r.expected, 0.1), 10.0) if r.expected > 0 else (by_mode["sd"] or pooled)
+            est[c] = (p * (by_mode["sd"] or pooled) + ratio * r.weight) / (p + r.weight) * prior[c]
         return est, {c: p + r.weight for c, r in recs.items()}
 
     def after_catch_up(self, est: dict, owed_rows: int, tokens_left: float) -> dict:
@@ -171,15 +187,18 @@ class Scheduler:
             return est
         out = dict(est)
         for c, rate in est.items():
-            if c.mode != "ar" and rate > 0:
+            if c.uses_drafter and rate > 0:
                 out[c] = tokens_left / (tokens_left / rate + self.model.catch_up_seconds(owed_rows, c.wide))
         return out
 
     def _next_round(self, batch: int, k: int, budget: int, allowed: tuple, adaptive_k: bool,
-                    owed_rows: int = 0, tokens_left: float = 0.0) -> Decision:
+                    owed_rows: int = 0, tokens_left: float = 0.0, lookup: LookupOutlook | None = None) -> Decision:
         self.rounds += 1
         ks = self.model.best_k(batch, k, budget) if adaptive_k else None
-        prior = self.model.rates_at(batch, k, budget, ks)
+        prior = self.model.rates_at(batch, k, budget, ks, lookup)
+        if lookup is not None:
+            ks = dict(ks or {}) | {c: self.model.lookup_k(batch, lookup, c.wide)
+                                   for c in (Choice.LOOKUP, Choice.LOOKUP_WIDE)}
         steady, n = self.estimates(batch, k, budget, ks, prior)
         width = self.cfg.explore * math.sqrt(math.log(sum(n[c] for c in allowed)))
         # the bound is on the steady rate, the uncertain part; the catch-up is a measured one-off,
@@ -201,7 +220,7 @@ class Scheduler:
                         "prior": {c.value: round(v, 3) for c, v in prior.items()},
                         "est": {c.value: round(v, 3) for c, v in est.items()},
                         "score": {c.value: round(v, 3) for c, v in score.items()}})
-        return Decision(best, reason, est, dict(ks or {}))
+        return Decision(best, reason, est, dict(ks or {}), prior)
 
     def observe(self, rec: RoundRecord) -> None:
         """A round's tokens and seconds join its choice's record at its batch size; every sequence
@@ -219,4 +238,4 @@ class Scheduler:
             return
         key = (Choice(rec.choice), bucket(rec.batch))
         r = self.records[key] = self.records.get(key, Discounted()).decayed(self.clock, self.cfg.half_life_s)
-        r.add(rec.tokens, rec.own_seconds, 1.0 / max(rec.batch, 1))
+        r.add(rec.tokens, rec.own_seconds, 1.0 / max(rec.batch, 1), rec.predicted_rate * rec.own_seconds)

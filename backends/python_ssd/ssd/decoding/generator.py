@@ -7,6 +7,8 @@ later greedy token are the target's own; they differ only in where the drafts co
 - ssd: verify(round T) and speculate(round T+1 for likely outcomes) run at the same time in two
        processes; a cache hit starts the next round at once, a miss calls a backup (neural drafter
        or n-gram) chosen by the scheduler for the current batch size.
+- lookup: SD whose drafts are free (algorithm/free_draft.py: the sequence's own text and the
+       suffix cache of earlier requests), verified by the target alone; a round of an ssd request.
 One loop runs them all, as gpt-fast's speculative loop does: decide, draft, verify, accept, record.
 Each round asks the scheduler what to run (a request in mode "ssd" with step_aside lets it pick
 SSD, SD or AR per round; "ar" and "sd" requests are pinned) and hands one RoundRecord to the
@@ -21,11 +23,14 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Protocol
 
 from ..algorithm.fanout import FanoutEstimator, allocate
+from ..algorithm.free_draft import FreeDrafter
+from ..algorithm.lookup_estimate import LookupEstimate, LookupOutlook
 from ..algorithm.ngram import propose
 from ..algorithm.rounds import Choice, Learner, RoundRecord
 from ..algorithm.sampling import SamplingParams
 from ..algorithm.scheduler import Decision, Scheduler
 from ..algorithm.stats import RequestStats
+from ..algorithm.suffix_cache import SuffixCache
 from ..config import DecodeConfig
 from ..workers.protocol import (DraftCall, DraftResult, FetchCall, SpeculateCall, SpeculateResult,
                                 VerifyCall, VerifyResult)
@@ -61,6 +66,13 @@ class SharedState:
     ar_steps: int = 1
     # per decoding sequence: (tokens its drafter cache lacks, tokens it still has to make)
     backlog: dict = field(default_factory=dict)
+    # free drafts (lookup rounds) offered to ssd requests, their longest draft, and the suffix cache
+    # of earlier requests' text they also draft from (None: each request's own text only)
+    free_drafts: bool = False
+    lookup_max_k: int = 16
+    suffix_cache: SuffixCache | None = None
+    # per decoding sequence: how its free drafts fare (the lookup rounds' price is per request)
+    lookup: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.estimator = FanoutEstimator(acceptance=lambda: self.policy.model.drafter_alpha())
@@ -81,6 +93,13 @@ class SharedState:
             return 0, 0.0
         owed = sum(o for o, _ in self.backlog.values())
         return owed, sum(left for _, left in self.backlog.values()) / len(self.backlog)
+
+    def lookup_outlook(self) -> LookupOutlook:
+        """The batch's free-draft outlook, its longest draft capped where the verify rows are."""
+        k_max = self.lookup_max_k
+        if self.max_verify_rows > 0:
+            k_max = max(1, min(k_max, self.max_verify_rows // max(self.active, 1) - 1))
+        return LookupOutlook.mean([e.outlook() for e in self.lookup.values()], k_max)
 
     def round_k(self, k: int) -> int:
         if self.max_verify_rows <= 0:
@@ -117,6 +136,9 @@ class Generation:
         self.last_choice: Choice | None = None  # the previous round's
         self.drafter_len = 0  # tokens of this sequence the drafter's cache holds
         self.threads = 0  # this round's layout (VerifyCall.threads): 0 split, else wide
+        self.sequence = list(prompt)  # prompt and output so far: what the suffix cache keeps at the end
+        self.free = FreeDrafter(self.shared.suffix_cache)
+        self.lookup = LookupEstimate()
 
     def _verify(self, prefix, draft, probs=None, steps: int = 1) -> VerifyCall:
         return VerifyCall(self.seq_id, prefix, draft, self.params, self.seed, self.round, probs, self.threads, steps)
@@ -134,12 +156,14 @@ class Generation:
     async def run(self) -> AsyncIterator[list[int]]:
         """Yields the target's tokens, a block per round. The caller stops iterating when done."""
         self.shared.add_active(1)
+        self.shared.lookup[self.seq_id] = self.lookup
         try:
             t0 = time.perf_counter()
             first = await self._prefill()
             self.stats.prefill_s = time.perf_counter() - t0
             self.stats.prompt_tokens, self.stats.cached_prompt_tokens = len(self.prompt), first.cached_tokens
             prefix = self.prompt + [first.token]
+            self.sequence = prefix
             self.round += 1
             self.stats.new_tokens = 1
             yield [first.token]
@@ -150,6 +174,9 @@ class Generation:
                 yield block
         finally:
             self.shared.backlog.pop(self.seq_id, None)
+            self.shared.lookup.pop(self.seq_id, None)
+            if self.shared.suffix_cache is not None and self.cfg.free_drafts:
+                self.shared.suffix_cache.add(self.sequence)
             self.shared.add_active(-1)
 
     async def take(self, n: int) -> list[int]:
@@ -175,7 +202,7 @@ class Generation:
             t0, batch = time.perf_counter(), self.shared.active
             self._report_backlog(len(prefix))
             d = self._decide(self.shared.round_k(self.cfg.k))
-            if d.mode != "ar":  # this round's draft or speculation brings the drafter up to the prefix
+            if d.choice.uses_drafter:  # this round's draft or speculation brings the drafter up to the prefix
                 self.drafter_len = len(prefix)
             budget = self.shared.policy.model.tree_budget(batch, self.k, self.cfg.fanout_budget)
             fanout = allocate(self.cfg.fanout_shape, self.k, budget, self.shared.estimator)
@@ -185,6 +212,7 @@ class Generation:
             block = draft.tokens[:r.accepted] + r.decoded + [r.token]
             hit = (r.accepted, r.token) in spec.branches if spec is not None else None
             guess = propose(prefix, self.k)  # what the n-gram backup would have drafted, scored for free
+            self._score_free_draft(prefix, block)
             rec = RoundRecord(
                 choice=d.choice, reason=d.reason, k=0 if d.mode == "ar" else self.k,
                 budget=budget if spec is not None else 0, batch=batch, tokens=len(block), steps=1 + len(r.decoded),
@@ -192,7 +220,7 @@ class Generation:
                 target_timing=tuple(map(tuple, r.timing)),
                 drafter_timing=tuple(map(tuple, list(draft.timing) + list(spec.timing if spec else []))),
                 verify_seconds=t_verify, speculate_seconds=t_spec, draft_seconds=t_draft,
-                prompt_seconds=min(r.prompt_seconds, t_verify),
+                prompt_seconds=min(r.prompt_seconds, t_verify), predicted_rate=d.prior.get(d.choice, 0.0),
                 ngram_accepted=_agreeing(guess, block), ngram_drafted=max(len(guess), 1),
                 fanout_at_outcome=fanout[r.accepted] if spec is not None and r.accepted < len(fanout) else 0,
                 after_switch=self.last_choice is not None and self.last_choice != d.choice
@@ -201,7 +229,7 @@ class Generation:
             self.stats.add(rec, d.rates)
             self.last_choice = d.choice
             self.round += 1 + len(r.decoded)  # an AR round's step s sampled with round + s
-            prefix = prefix + block
+            prefix = self.sequence = prefix + block
             yield block
             cached = await self._cached_draft(spec, (r.accepted, r.token)) if hit else None
 
@@ -211,20 +239,31 @@ class Generation:
         left = self.max_tokens - self.stats.new_tokens if self.max_tokens else UNBOUNDED_TOKENS_LEFT
         self.shared.backlog[self.seq_id] = (owed, max(left, 1))
 
+    def _score_free_draft(self, prefix: list[int], block: list[int]) -> None:
+        """Scores the free draft this round could have had (its longest) against the round's tokens,
+        whatever the round ran: the request's lookup estimate follows its text (lookup_estimate.py)."""
+        if self.shared.free_drafts:
+            self.lookup.score(self.free.propose(prefix, self.shared.lookup_max_k), block)
+
     def _decide(self, k_max: int) -> Decision:
         """This round's choice and K. An ssd request with ``adaptive_k`` lets the scheduler pick each
         choice's K up to the request's (``CostModel.best_k``); sd and ar requests are baselines
         and draft exactly the K they asked for (lowered only by ``SharedState.round_k``)."""
         cfg, pol, active = self.cfg, self.shared.policy, self.shared.active
         allowed = self._allowed()
-        if not self.drafter_ok:  # only the target and the n-gram backup are left
-            allowed = ("ar",) if cfg.mode == "ar" else ("ssd+fast", "ar")
+        if not self.drafter_ok:  # only the target, the n-gram backup and free drafts are left
+            allowed = ("ar",) if cfg.mode == "ar" else ("ssd+fast", "ar") + tuple(c for c in allowed if "lookup" in c)
         adaptive = cfg.adaptive_k and cfg.mode == "ssd"
         budget = cfg.fanout_budget if adaptive else pol.model.tree_budget(active, k_max, cfg.fanout_budget)
         owed, left = self.shared.catch_up()
+        outlook = self.shared.lookup_outlook() if self.shared.free_drafts else None
         d = pol.choose(active, k_max, budget, allowed, self.seq_id, adaptive_k=adaptive, owed_rows=owed,
-                       tokens_left=left)
-        self.k = min(d.ks.get(d.choice, k_max), k_max) if adaptive else k_max
+                       tokens_left=left, lookup=outlook)
+        if d.mode == "lookup":  # free drafts run their own K, up to what the verify keeps exact
+            outlook = outlook or self.shared.lookup_outlook()
+            self.k = min(d.ks.get(d.choice) or pol.model.lookup_k(active, outlook, d.choice.wide), outlook.k_max)
+        else:
+            self.k = min(d.ks.get(d.choice, k_max), k_max) if adaptive else k_max
         self.threads = self._threads(d.choice)
         if not self.drafter_ok:
             d.reason = "drafter down"
@@ -232,7 +271,7 @@ class Generation:
 
     def _allowed(self) -> tuple[str, ...]:
         """The choices this request's config allows, the wide ones where the server offers them."""
-        return self.cfg.allowed(wide=self.shared.wide_threads > 0)
+        return self.cfg.allowed(wide=self.shared.wide_threads > 0, lookup=self.shared.free_drafts)
 
     def _threads(self, choice: Choice) -> int:
         """VerifyCall.threads for a call in ``choice``'s layout: 0 split, else the wide count."""
@@ -244,6 +283,10 @@ class Generation:
         the SSD backup's."""
         if d.mode == "ar":
             return DraftResult([], None), "none", 0.0
+        if d.mode == "lookup":  # deterministic: the verifier's q is one-hot
+            t0 = time.perf_counter()
+            draft = DraftResult(self.free.propose(prefix, self.k), None)
+            return draft, "lookup", time.perf_counter() - t0
         if cached is not None:
             return _truncate(cached, self.k), "cache", 0.0
         t0 = time.perf_counter()

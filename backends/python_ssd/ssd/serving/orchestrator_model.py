@@ -48,7 +48,8 @@ class OrchestratorModel:
         self.shared = SharedState(policy=Scheduler(cfg.policy, forced_mode=cfg.force_mode or None,
                                                    forced_backup=cfg.force_backup or None),
                                   max_verify_rows=cfg.max_verify_rows, wide_threads=cfg.wide_threads,
-                                  ar_steps=cfg.ar_steps)
+                                  ar_steps=cfg.ar_steps, free_drafts=cfg.free_drafts,
+                                  lookup_max_k=cfg.lookup_max_k, suffix_cache=cfg.suffix_cache())
         trace = os.environ.get("SSD_POLICY_TRACE")
         self._trace_file = None
         if trace:  # one JSON line per scheduler decision and per measured round
