@@ -21,7 +21,8 @@ def test_a_request_reports_what_its_drafter_lacks_and_its_tokens_left(engines, c
             super().__init__()
             self.script, self.seen = script, []
 
-        def choose(self, batch, k, budget, allowed=(), seq=None, adaptive_k=False, owed_rows=0, tokens_left=0.0):
+        def choose(self, batch, k, budget, allowed=(), seq=None, adaptive_k=False, owed_rows=0, tokens_left=0.0,
+                   lookup=None):
             self.seen.append((owed_rows, tokens_left))
             return Decision(Choice(self.script[min(len(self.seen), len(self.script)) - 1]), "forced")
 
@@ -60,7 +61,8 @@ def _owed_while_running(engines, codec, prompt: str, layout: str, n: int):
         def running(self, allowed=()):
             return choice
 
-        def choose(self, batch, k, budget, allowed=(), seq=None, adaptive_k=False, owed_rows=0, tokens_left=0.0):
+        def choose(self, batch, k, budget, allowed=(), seq=None, adaptive_k=False, owed_rows=0, tokens_left=0.0,
+                   lookup=None):
             self.seen.append(owed_rows)
             return Decision(choice, "forced")
 
