@@ -21,6 +21,13 @@ import torch
 from safetensors.torch import load_file
 
 from .engine import Sequence, TorchEngine, _release_freed_memory  # noqa: F401 (Sequence: the shared record)
+
+# On CPUs with AMX, OpenVINO's oneDNN takes multi-row bf16 products with AMX tiles and one-row ones
+# with AVX-512, which sum in another order: a row's logits would depend on the rows beside it (2-row
+# forwards differ from one-row steps by up to 0.15 on a Xeon with AMX). AMX stays off, as it does in
+# the llama.cpp build (tools/llamacpp/cpu_options.sh). Read by oneDNN at its first product, so it is
+# set before this module compiles any graph; an ISA the environment sets wins.
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 from .meta import engine_meta
 from .model import ModelConfig, RowBatch
 
