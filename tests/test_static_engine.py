@@ -174,17 +174,8 @@ def test_every_graph_shape_is_captured_at_load_inside_the_device_scope(tmp_path,
     from ssd.engine.engine import ExtendCall, TorchEngine, TreeCall
     from ssd.engine.static_engine import StaticEngine, StaticStep
 
-    depth = [0]
     events: list[tuple[str, int]] = []
-
-    class Scope:
-        def __enter__(self):
-            depth[0] += 1
-
-        def __exit__(self, *exc):
-            depth[0] -= 1
-
-    monkeypatch.setattr(TorchEngine, "on_device", lambda self: Scope())
+    depth = DeviceScope.record(monkeypatch, TorchEngine)
     monkeypatch.setattr(StaticEngine, "_graph_pool", staticmethod(lambda: None))
     monkeypatch.setattr(StaticStep, "_capture",
                         lambda step, pool: events.append((f"capture {step.batch}x{step.rows}x{step.length}", depth[0])))
@@ -235,18 +226,30 @@ def test_the_torch_engine_forwards_inside_its_device_scope(tmp_path, monkeypatch
     """The dynamic forward (prefills, the target's verifies) runs in the scope too."""
     from ssd.engine.engine import ExtendCall, TorchEngine
 
-    depth, seen = [0], []
-
-    class Scope:
-        def __enter__(self):
-            depth[0] += 1
-
-        def __exit__(self, *exc):
-            depth[0] -= 1
-
-    monkeypatch.setattr(TorchEngine, "on_device", lambda self: Scope())
+    seen = []
+    depth = DeviceScope.record(monkeypatch, TorchEngine)
     engine = TorchEngine(make_tiny_engine(tmp_path / "m", seed=6), exact=False, max_sequences=2)
     forward = engine.model.forward
     engine.model.forward = lambda *a, **k: seen.append(depth[0]) or forward(*a, **k)
     engine.extend([ExtendCall("a", [1, 2, 3, 4], 2)])
     assert seen == [1]
+
+
+class DeviceScope:
+    """A stand-in for an engine's device scope (TorchEngine.on_device) that counts how deep calls
+    run inside it: ``record`` installs it and returns the one-item depth list the tests read."""
+
+    def __init__(self, depth: list[int]):
+        self.depth = depth
+
+    def __enter__(self):
+        self.depth[0] += 1
+
+    def __exit__(self, *exc):
+        self.depth[0] -= 1
+
+    @staticmethod
+    def record(monkeypatch, engine_class) -> list[int]:
+        depth = [0]
+        monkeypatch.setattr(engine_class, "on_device", lambda self: DeviceScope(depth))
+        return depth
