@@ -8,6 +8,7 @@ model_repository/ with parameter overrides (engine folders, cores, threads, defa
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -71,13 +72,13 @@ def prepare_backend_dir(build: Path) -> Path:
     return out
 
 
-def deferred_models(repository: Path) -> list[str]:
-    """Models loaded after the server is ready: those with a model_warmup (the orchestrator)."""
-    return sorted(p.parent.name for p in Path(repository).glob("*/config.pbtxt") if "model_warmup" in p.read_text())
-
-
-def startup_models(repository: Path, deferred: list[str]) -> list[str]:
-    return sorted(p.parent.name for p in Path(repository).glob("*/config.pbtxt") if p.parent.name not in deferred)
+def load_order(repository: Path) -> tuple[list[str], list[str]]:
+    """(models loaded with the server, models loaded once it is ready): the second are those with a
+    model_warmup (the orchestrator, whose warmup calls the others over BLS)."""
+    startup, deferred = [], []
+    for cfg in sorted(Path(repository).glob("*/config.pbtxt")):
+        (deferred if "model_warmup" in cfg.read_text() else startup).append(cfg.parent.name)
+    return startup, deferred
 
 
 def _set_param(text: str, key: str, value: str) -> str:
@@ -137,8 +138,6 @@ class TritonServer:
 
     def model_states(self) -> dict[str, str]:
         """{model: state} from Triton's repository index (READY, LOADING, UNAVAILABLE, ...)."""
-        import json
-
         try:
             req = urllib.request.Request(f"http://{self.http_url}/v2/repository/index", data=b"{}", method="POST")
             with urllib.request.urlopen(req, timeout=2) as r:
@@ -165,8 +164,8 @@ class TritonServer:
         # A model with a warmup sample (the orchestrator: its warmup measures the engines' costs over
         # BLS, which Triton refuses until the server is ready) loads once the others are READY, through
         # the repository API; the server reports ready only after its warmup (strict readiness).
-        deferred = deferred_models(self.repository)
-        cmd += [f"--load-model={m}" for m in startup_models(self.repository, deferred)]
+        startup, deferred = load_order(self.repository)
+        cmd += [f"--load-model={m}" for m in startup]
         out = None if echo else open(self.log_file or (self.build / "tritonserver.log"), "w")
         self.proc = subprocess.Popen(cmd, env=self.env(), stdout=out, stderr=subprocess.STDOUT,
                                      start_new_session=True)
