@@ -67,3 +67,25 @@ def test_a_request_switching_between_lookup_neural_and_ar_rounds_is_exact(engine
         # the drafter catches up after lookup and AR rounds: its rounds after them were drafted
         assert g.drafter_len > 0
     assert {"lookup", "cache", "neural", "fast", "draft", "none"} <= kinds
+
+
+def test_ssd_misses_draft_the_verified_outcomes_lookup_branch(engines, codec, ar_outputs):
+    """SSD's fast backup drafts from the free drafter after a miss (the lookup branch of the outcome
+    the target verified): with a suffix cache that knows the answer its rounds are accepted far,
+    where the same request opted out of free drafts gets the n-gram worker's drafts; both exact."""
+    from ssd.decoding.generator import DecodeConfig
+
+    client = local_client(engines, "weak")
+    fast = {True: [], False: []}
+    for prompt, ref in zip(PROMPTS, ar_outputs):
+        ids = codec.encode_prompt(prompt)
+        for free in (True, False):
+            shared = lookup_state(CyclingPolicy(["ssd+fast"]))
+            shared.suffix_cache.add(ids + ref)
+            cfg = DecodeConfig(k=4, backup="fast", free_drafts=free)
+            out, g = asyncio.run(generate(client, ids, cfg, shared=shared))
+            assert out == ref, f"ssd+fast (free drafts {free}) diverged on {prompt!r}"
+            fast[free] += [t for t, src in zip(g.stats.tokens_per_round, g.stats.source_per_round) if src == "fast"]
+    assert fast[True] and fast[False]
+    assert sum(fast[True]) / len(fast[True]) > sum(fast[False]) / len(fast[False])
+    assert max(fast[True]) == 5  # a lookup branch accepted whole: K = 4 drafts and the target's token

@@ -211,8 +211,9 @@ class Generation:
             r, t_verify, spec, t_spec = await self._verify_round(d, prefix, draft, fanout, steps)
             block = draft.tokens[:r.accepted] + r.decoded + [r.token]
             hit = (r.accepted, r.token) in spec.branches if spec is not None else None
-            guess = propose(prefix, self.k)  # what the n-gram backup would have drafted, scored for free
-            self._score_free_draft(prefix, block)
+            longest = self._score_free_draft(prefix, block)
+            # what the fast backup would have drafted (_fast_draft), scored for free
+            guess = (longest[:self.k] if self.cfg.free_drafts else []) or propose(prefix, self.k)
             rec = RoundRecord(
                 choice=d.choice, reason=d.reason, k=0 if d.mode == "ar" else self.k,
                 budget=budget if spec is not None else 0, batch=batch, tokens=len(block), steps=1 + len(r.decoded),
@@ -239,11 +240,20 @@ class Generation:
         left = self.max_tokens - self.stats.new_tokens if self.max_tokens else UNBOUNDED_TOKENS_LEFT
         self.shared.backlog[self.seq_id] = (owed, max(left, 1))
 
-    def _score_free_draft(self, prefix: list[int], block: list[int]) -> None:
+    def _score_free_draft(self, prefix: list[int], block: list[int]) -> list[int]:
         """Scores the free draft this round could have had (its longest) against the round's tokens,
-        whatever the round ran: the request's lookup estimate follows its text (lookup_estimate.py)."""
-        if self.shared.free_drafts:
-            self.lookup.score(self.free.propose(prefix, self.shared.lookup_max_k), block)
+        whatever the round ran: the request's lookup estimate follows its text (lookup_estimate.py).
+        Returns that draft (empty where the server has no free drafts); a shorter K's is its start."""
+        if not self.shared.free_drafts:
+            return []
+        longest = self.free.propose(prefix, self.shared.lookup_max_k)
+        self.lookup.score(longest, block)
+        return longest
+
+    def _free_drafts(self) -> bool:
+        """Whether this request drafts from seen text: the server offers it and the request did not
+        opt out (an opted-out request is the served default without free drafts)."""
+        return self.shared.free_drafts and self.cfg.free_drafts
 
     def _decide(self, k_max: int) -> Decision:
         """This round's choice and K. An ssd request with ``adaptive_k`` lets the scheduler pick each
@@ -366,6 +376,14 @@ class Generation:
         self.stats.degraded = f"{what} failed ({type(err).__name__}: {err}); continuing without the drafter"
 
     async def _fast_draft(self, prefix) -> DraftResult:
+        """SSD's fast backup after a miss: the lookup branch of the verified outcome, the free draft
+        (the prompt, the output and the suffix cache; no model, microseconds, so holding one for
+        every outcome costs nothing), else the n-gram worker's prompt lookup. Both are
+        deterministic: the verifier's q is one-hot."""
+        if self._free_drafts():
+            own = self.free.propose(prefix, self.k)
+            if own:
+                return DraftResult(own, None)
         try:
             return await self.c.fast_draft(self._draft_call(prefix, []))
         except Exception:  # noqa: BLE001 - no backup either: an AR step (empty draft)
