@@ -136,9 +136,10 @@ class ServerConfig:
     target_backend: str = "python_ssd"
     target_vocab_size: int = 0
     # free drafts (algorithm/free_draft.py): lookup rounds, SD whose drafts come from the request's
-    # own text and the suffix cache, offered to the scheduler; their longest draft
+    # own text and the suffix cache, offered to the scheduler; their longest draft: K + 1 = 16 rows
+    # are one forward of the llama.cpp target (its logit_rows), a 17th would cost a forward of its own
     free_drafts: bool = True
-    lookup_max_k: int = 16
+    lookup_max_k: int = 15
     # the suffix cache of earlier requests' prompts and outputs: its bound in tokens (0: off; about
     # 150 bytes a token) and its scope: global (every request drafts from every earlier one) or
     # request (a request drafts from its own text only)
