@@ -47,7 +47,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("raw", type=Path)
     ap.add_argument("--side", default="ours-nofree", help="whose outputs (the target's greedy tokens)")
-    ap.add_argument("--k", type=int, default=16)
+    ap.add_argument("--k", type=int, default=15, help="the longest draft (the served lookup_max_k)")
     ap.add_argument("--engine", type=Path, default=REPO / "engines" / "qwen2.5-coder-1.5b")
     a = ap.parse_args()
     from ssd.decoding.text import TextCodec
