@@ -52,12 +52,30 @@ def test_build_engines_trtllm_dry_run_renders_commands() -> None:
             assert flag in line
         # the deployment spec's sizes: its target GPUs and the orchestrator's admitted requests
         assert f"--max_batch_size {SPEC_ACTIVE} " in line
-    for name in DRAFTERS:  # the drafter runs on the torch engine: no TensorRT-LLM engine for nobody
+    for name in DRAFTERS:  # the paper layout serves no drafter on TensorRT-LLM: no engine for nobody
         assert not [ln for ln in r.stdout.splitlines() if ln.strip().startswith("$ trtllm-build") and f"/{name} " in ln]
     assert r.stdout.count("convert_checkpoint.py") == len(TARGETS)
     assert f"--dtype bfloat16 --tp_size {SPEC_TP}" in r.stdout and "/app/examples/models/core/" in r.stdout
     assert '"enable_kv_cache_reuse": true' in r.stdout
     assert (ROOT / "engines/trtllm").exists() == trt_before  # a dry run writes nothing
+
+
+def test_a_spec_that_serves_the_drafter_on_the_backend_builds_its_engine() -> None:
+    """deploy/gpu_trtllm_backend.yaml serves the drafter as a tensorrtllm model (drafter_trtllm): the
+    build makes it an engine of its own GPU count and the orchestrator's batch, a plain generator
+    (no external drafts) that returns fp32 generation logits (the q rows of sampled drafts)."""
+    spec = yaml.safe_load((ROOT / "deploy/gpu_trtllm_backend.yaml").read_text())
+    served = spec["models"]["drafter_trtllm"]
+    engine = next(p["engine"] for p in served["parameters"] if isinstance(p, dict) and "engine" in p)
+    assert engine in DRAFTERS
+    r = run("bash", "build_engines.sh", "--backend", "tensorrt_llm", "--dry-run", "--config", "engines/default.yaml",
+            "--spec", "deploy/gpu_trtllm_backend.yaml")
+    assert r.returncode == 0, r.stderr
+    line = build_line(r.stdout, engine)
+    assert "--gather_generation_logits --logits_dtype float32" in line and "--speculative_decoding_mode" not in line
+    assert f"--max_batch_size {SPEC_ACTIVE} " in line
+    assert r.stdout.count("convert_checkpoint.py") == len(TARGETS) + 1
+    assert f"--dtype bfloat16 --tp_size {len(served['gpus'])} " in r.stdout
 
 
 def test_dry_run_without_hf_folders(tmp_path: Path) -> None:
