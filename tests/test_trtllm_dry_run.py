@@ -277,8 +277,8 @@ def test_sizes_come_from_the_deployment_spec(tmp_path: Path) -> None:
 
 def test_the_host_check_renders_a_one_gpu_backend_layout(tmp_path: Path) -> None:
     """tools/trtllm_host_check.py (for a GPU host in the TensorRT-LLM image) in its dry run: the
-    one-GPU spec renders, the target is a tensorrtllm model on GPU 0 whose engine the build plan
-    makes with tp_size 1 and the orchestrator's 8 requests."""
+    one-GPU spec renders, the target and the SD drafter are tensorrtllm models on GPU 0 whose engine
+    the build plan makes with tp_size 1 and the orchestrator's 8 requests."""
     r = subprocess.run([PY, "tools/trtllm_host_check.py", "--dry-run", "--work", str(tmp_path / "w"),
                         "--out", str(tmp_path / "r.json")], cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env={"PATH": f"{Path(PY).parent}:/usr/bin:/bin", "PYTHON": PY})
@@ -290,3 +290,9 @@ def test_the_host_check_renders_a_one_gpu_backend_layout(tmp_path: Path) -> None
     assert 'key: "gpu_device_ids" value: { string_value: "0" }' in target
     line = build_line(r.stdout, "smollm2-135m")
     assert "--max_batch_size 8 " in line and "--tp_size 1 " in r.stdout
+    # the SD drafter on the backend too, serving the tiny profile's one engine (the target's) on GPU 0
+    drafter = (tmp_path / "w/model_repository/drafter_trtllm/config.pbtxt").read_text()
+    assert 'backend: "tensorrtllm"' in drafter and f'string_value: "{engine}"' in drafter
+    assert 'key: "gpu_device_ids" value: { string_value: "0" }' in drafter
+    ssd = (tmp_path / "w/model_repository/ssd/config.pbtxt").read_text()
+    assert 'key: "drafter_backend" value: { string_value: "tensorrtllm" }' in ssd

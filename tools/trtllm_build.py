@@ -99,6 +99,9 @@ def spec_limits(spec: dict | None) -> dict[str, dict]:
         limits = {"tp_size": len(m.get("gpus") or [0])}
         if active and active[0]:
             limits["max_batch_size"] = int(active[0])
+        if engine in out and out[engine] != limits:  # one engine folder serves both models: one build
+            raise BuildError(f"deployment spec: engine {engine} is served by models of different sizes "
+                             f"({out[engine]} and models.{name}'s {limits})", 2)
         out[engine] = limits
     return out
 
