@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden"
 GPU_SPECS = ("gpu_paper_layout", "gpu_trtllm_backend")
 MAX_TOKENS = 24
+MAX_INPUT_LEN = 1024  # the stand-in engines' max_input_len (a longer prompt gets an error response)
 # The backend template's dtype of every input the orchestrator sends (release/1.2
 # triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt, logits_datatype TYPE_FP32)
 TEMPLATE_DTYPES = {"input_ids": "TYPE_INT32", "input_lengths": "TYPE_INT32", "request_output_len": "TYPE_INT32",
@@ -49,6 +50,26 @@ def test_gpu_configs_match_their_golden_files(spec) -> None:
     assert set(configs) == set(golden)
     for name, text in configs.items():
         assert text == golden[name], name
+
+
+def test_the_drafter_is_a_tensorrtllm_backend_model_beside_the_tree_drafter() -> None:
+    configs = render("gpu_trtllm_backend")
+    drafter = configs["drafter_trtllm"]
+    for line in ('backend: "tensorrtllm"', "model_transaction_policy { decoupled: true }",
+                 'key: "gpt_model_type" value: { string_value: "inflight_fused_batching" }',
+                 'key: "gpt_model_path" value: { string_value: "/opt/ssd/engines/trtllm/qwen2.5-coder-0.5b" }',
+                 'key: "max_beam_width" value: { string_value: "1" }',
+                 'key: "enable_kv_cache_reuse" value: { string_value: "true" }',
+                 'key: "kv_cache_free_gpu_mem_fraction" value: { string_value: "0.3" }',
+                 'key: "gpu_device_ids" value: { string_value: "4" }'):
+        assert line in drafter, line
+    for name, dtype in TEMPLATE_DTYPES.items():
+        assert f'name: "{name}" data_type: {dtype} ' in drafter, name
+    ssd = configs["ssd"]
+    assert 'key: "drafter_backend" value: { string_value: "tensorrtllm" }' in ssd
+    assert 'key: "drafter_model" value: { string_value: "drafter_trtllm" }' in ssd
+    # speculation trees stay on the torch drafter with CUDA graphs, on the same GPU
+    assert 'backend: "python_ssd"' in configs["drafter_primary"] and "gpus: [ 4 ]" in configs["drafter_primary"]
 
 
 def test_the_target_is_a_tensorrtllm_backend_model() -> None:
@@ -110,10 +131,37 @@ def test_the_first_answer_gives_accepted_and_the_next_token() -> None:
     assert contract.first_answer(np.array([[[1, 2, 3, 4, 0, 0]]], dtype=np.int32), [1, 2, 3], 4) == (3, 4)
 
 
+def test_a_draft_is_a_plain_generation_of_k_tokens() -> None:
+    greedy = contract.draft_request([5, 6, 7], 3, SamplingParams(), seed=3)
+    assert greedy["request_output_len"].tolist() == [[3]] and greedy["runtime_top_k"].tolist() == [[1]]
+    assert not bool(greedy["streaming"][0, 0]) and greedy["end_id"].tolist() == [[contract.NO_END_ID]]
+    assert "return_generation_logits" not in greedy and "draft_input_ids" not in greedy
+    sampled = contract.draft_request([5, 6, 7], 2, SamplingParams(temperature=0.7, top_k=20), seed=3)
+    assert bool(sampled["return_generation_logits"][0, 0]) and sampled["runtime_top_k"].tolist() == [[20]]
+    for t in (greedy, sampled):
+        for name, value in t.items():  # every tensor in the template's dtype
+            assert value.dtype == contract.NUMPY[TEMPLATE_DTYPES[name]], name
+    with pytest.raises(ValueError, match="k must be"):
+        contract.draft_request([5], 0, SamplingParams(), seed=0)
+
+
+def test_a_draft_answer_is_checked_against_the_backend_contract() -> None:
+    ids = np.array([[[4, 5, 6, 0]]], dtype=np.int32)
+    logits = np.zeros((1, 1, 4, 8), dtype=np.float32)
+    toks, rows = contract.draft_answer(ids, 3, 3, logits)
+    assert toks == [4, 5, 6] and rows.shape == (3, 8) and rows.dtype == np.float32
+    with pytest.raises(ValueError, match="draft of 2 tokens with 3"):
+        contract.draft_answer(ids, 3, 2)
+    with pytest.raises(ValueError, match="float32"):
+        contract.draft_answer(ids, 3, 3, logits.astype(np.float16))
+    with pytest.raises(ValueError, match="2 rows for 3"):
+        contract.draft_answer(ids, 3, 3, logits[:, :, :2])
+
+
 # -- through a real tritonserver ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def backend_server(engine_root, tmp_path_factory):
-    from ssd_tools.triton_launcher import TritonServer, render_repository
+    from ssd_tools.triton_launcher import TritonServer, _set_param, render_repository
 
     root = tmp_path_factory.mktemp("trtllm_backend")
     repo = render_repository(root / "models", {
@@ -123,12 +171,21 @@ def backend_server(engine_root, tmp_path_factory):
         "drafter_backup": {"cores": "1"},
     })
     shutil.rmtree(repo / "target")
-    text = deploy.render_model("target", {"interface": "tensorrtllm", "gpus": [0], "max_batch_size": 64,
-                                          "parameters": [{"engine": TARGET},
-                                                         {"gpt_model_path": str(engine_root / TARGET)}]})
-    (repo / "target" / "1").mkdir(parents=True)
-    (repo / "target" / "config.pbtxt").write_text(text.replace('backend: "tensorrtllm"', 'backend: "python"'))
-    (repo / "target" / "1" / "model.py").symlink_to(REPO / "tests" / "trtllm_backend_stand_in" / "model.py")
+    for name, engine in (("target", TARGET), ("drafter_trtllm", WEAK)):  # the backend's models, stood in for
+        text = deploy.render_model(name, {"interface": "tensorrtllm", "gpus": [0], "max_batch_size": 64,
+                                          "parameters": [{"engine": engine},
+                                                         {"gpt_model_path": str(engine_root / engine)},
+                                                         {"stand_in_max_input_len": str(MAX_INPUT_LEN)}]})
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "config.pbtxt").write_text(text.replace('backend: "tensorrtllm"', 'backend: "python"'))
+        (repo / name / "1" / "model.py").symlink_to(REPO / "tests" / "trtllm_backend_stand_in" / "model.py")
+    # a second orchestrator whose SD drafts come from the drafter model on the backend
+    shutil.copytree(repo / "ssd", repo / "ssd_trtdraft")
+    cfg = repo / "ssd_trtdraft" / "config.pbtxt"
+    text = cfg.read_text().replace('name: "ssd"', 'name: "ssd_trtdraft"', 1)
+    for key, value in (("drafter_backend", "tensorrtllm"), ("drafter_model", "drafter_trtllm"), ("supervise", "false")):
+        text = _set_param(text, key, value)
+    cfg.write_text(text)
     log = root / "stand_in.jsonl"
     srv = TritonServer(repo, engine_root, log_file=root / "tritonserver.log",
                        extra_env={"TRTLLM_STAND_IN_LOG": str(log)})
@@ -142,8 +199,8 @@ def events(srv) -> list[dict]:
     return [json.loads(line) for line in srv.stand_in_log.read_text().splitlines()]
 
 
-def post(srv, body: dict) -> dict:
-    req = urllib.request.Request(f"http://{srv.http_url}/v2/models/ssd/generate", data=json.dumps(body).encode())
+def post(srv, body: dict, model: str = "ssd") -> dict:
+    req = urllib.request.Request(f"http://{srv.http_url}/v2/models/{model}/generate", data=json.dumps(body).encode())
     with urllib.request.urlopen(req, timeout=300) as r:
         return json.loads(r.read().decode())
 
@@ -205,7 +262,7 @@ def test_sampled_verification_sends_fp32_draft_logits(backend_server) -> None:
     n0 = len(events(backend_server))
     got = post(backend_server, {"text_input": PROMPTS[2], "max_tokens": 16, "mode": "sd", "temperature": 0.8,
                                 "seed": 5})
-    assert len(got["output_ids"]) == 16
+    assert len(got["output_ids"]) == 16 or got["finish_reason"] == "stop", got
     new = events(backend_server)[n0:]
     sampled = [e for e in new if e["event"] == "request" and "draft_input_ids" in e["inputs"]]
     assert sampled and not [e for e in new if e["event"] == "error"]
@@ -213,3 +270,110 @@ def test_sampled_verification_sends_fp32_draft_logits(backend_server) -> None:
         dtype, shape = e["inputs"]["draft_logits"]
         assert dtype == "float32" and shape[1] == e["inputs"]["draft_input_ids"][1][1] and shape[2] == 49152
         assert "temperature" in e["inputs"] and "runtime_top_p" in e["inputs"]
+
+
+# -- SD drafting through the drafter model on the backend ------------------------------------------------
+def test_greedy_sd_drafting_through_the_backend_equals_ar(backend_server, reference) -> None:
+    """ssd_trtdraft drafts SD with generation requests to the stand-in drafter model: K tokens each,
+    not streamed, top-k 1, no logits; the output is the target's token for token and drafts are
+    accepted (the drafter model's answers were read as drafts)."""
+    n0 = len(events(backend_server))
+    for mode in ("sd", "ssd"):
+        for prompt, ref in reference.items():
+            got = post(backend_server, {"text_input": prompt, "max_tokens": MAX_TOKENS, "mode": mode,
+                                        "num_draft_tokens": 3}, model="ssd_trtdraft")
+            assert got["output_ids"] == ref, (mode, prompt)
+            if mode == "sd":
+                assert json.loads(got["stats"])["acceptance_length"] > 1.0
+    new = events(backend_server)[n0:]
+    drafts = [e for e in new if e["model"] == "drafter_trtllm" and e["event"] == "request"]
+    assert drafts and not [e for e in new if e["event"] == "error"]
+    for e in drafts:
+        assert 1 <= e["scalars"]["request_output_len"] <= 3 and e["scalars"]["runtime_top_k"] == 1, e
+        assert not e["scalars"]["streaming"] and "return_generation_logits" not in e["inputs"], e
+        for name, (dtype, shape) in e["inputs"].items():
+            assert np.dtype(dtype) == contract.NUMPY[TEMPLATE_DTYPES[name]] and shape[0] == 1, (name, dtype)
+    # the verifies check exactly what the drafter model answered
+    done = [e for e in new if e["model"] == "drafter_trtllm" and e["event"] == "done"]
+    assert done and all(len(e["out"]) == e["asked"] for e in done)  # K asked, K drafted
+    answered = {(e["prefix"], tuple(e["out"])) for e in done}
+    verified = {(e["prefix"], tuple(e["draft"])) for e in new if e["model"] == "target" and e["event"] == "done"}
+    assert answered & verified
+
+
+def test_sampled_sd_sends_the_drafter_models_generation_logits_as_fp32_draft_logits(backend_server) -> None:
+    """Sampled drafts ask for generation logits; the verify's draft_logits are fp32 and give each
+    draft the probability the drafter model drew it with (q from its generation logits under the
+    request's temperature), not a one-hot row."""
+    n0 = len(events(backend_server))
+    got = post(backend_server, {"text_input": PROMPTS[2], "max_tokens": 16, "mode": "sd", "temperature": 0.8,
+                                "seed": 5, "num_draft_tokens": 3}, model="ssd_trtdraft")
+    assert len(got["output_ids"]) == 16 or got["finish_reason"] == "stop", got
+    new = events(backend_server)[n0:]
+    assert not [e for e in new if e["event"] == "error"]
+    drafts = [e for e in new if e["model"] == "drafter_trtllm" and e["event"] == "request"]
+    assert drafts and all(e["scalars"]["return_generation_logits"] for e in drafts)
+    assert all(e["scalars"]["temperature"] == pytest.approx(0.8) for e in drafts)
+    drawn = {(e["prefix"], tuple(e["out"])): e["p_of_token"] for e in new
+             if e["model"] == "drafter_trtllm" and e["event"] == "done"}
+    checked = 0
+    for e in new:
+        if e["model"] == "target" and e["event"] == "request" and "draft_logits" in e["inputs"]:
+            assert e["inputs"]["draft_logits"][0] == "float32"
+        if e["model"] == "target" and e["event"] == "done" and (e["prefix"], tuple(e["draft"])) in drawn:
+            p = drawn[(e["prefix"], tuple(e["draft"]))]
+            assert e["q_of_draft"] == pytest.approx(p, rel=1e-4, abs=1e-6), e
+            checked += 1
+    assert checked, "no verify checked a draft of the drafter model"
+
+
+def test_bad_draft_requests_get_the_backends_error_responses(backend_server) -> None:
+    """An over-long prompt and input_lengths that disagree with input_ids are answered with an
+    error response naming the limit or the field, as the backend answers them (not a hang, not a
+    crash of the model)."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    def ask(ids: list[int], length: int) -> list:
+        answers: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(backend_server.grpc_url)
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        tensors = {"input_ids": np.array([ids], dtype=np.int32), "input_lengths": np.array([[length]], dtype=np.int32),
+                   "request_output_len": np.array([[3]], dtype=np.int32)}
+        inputs = []
+        for name, value in tensors.items():
+            inputs.append(grpcclient.InferInput(name, list(value.shape), "INT32"))
+            inputs[-1].set_data_from_numpy(value)
+        client.async_stream_infer("drafter_trtllm", inputs, request_id="bad-input")
+        try:
+            return [answers.get(timeout=120)]
+        finally:
+            client.stop_stream()
+            client.close()
+
+    (result, error), = ask(list(range(1, MAX_INPUT_LEN + 2)), MAX_INPUT_LEN + 1)
+    assert result is None and error is not None
+    assert f"Prompt length ({MAX_INPUT_LEN + 1}) exceeds maximum input length ({MAX_INPUT_LEN})" in str(error)
+    (result, error), = ask([1, 2, 3], 5)
+    assert result is None and "input_lengths (5)" in str(error)
+    (result, error), = ask([1, 2, 3], 3)  # and a good one is still answered: the model lives
+    assert error is None and result.as_numpy("output_ids").shape == (1, 1, 3)
+
+
+def test_the_host_checks_drafter_requests_hold_against_the_contract(backend_server, engines, codec) -> None:
+    """tools/trtllm_host_check.py's drafter checks (run for real on a TensorRT-LLM host) against the
+    stand-in drafter model: a greedy draft over the generate endpoint is the drafter's own greedy
+    tokens, a sampled one brings one generation-logits row per token, an over-long prompt an error."""
+    from ssd.engine.engine import ExtendCall
+    from ssd_tools.trtllm_host_check import drafter_checks
+
+    prompt = codec.encode_prompt(PROMPTS[0])
+    weak, seq, own = engines["weak"], list(prompt), []
+    for _ in range(4):
+        own.append(int(weak.extend([ExtendCall("hostcheck", seq, 1)])[0][0].argmax()))
+        seq.append(own[-1])
+    weak.release("hostcheck")
+    got = drafter_checks(backend_server, own, prompt, weak.vocab_size)
+    assert got["ok"], got
+    assert not drafter_checks(backend_server, [own[0] + 1] + own[1:], prompt, weak.vocab_size)["ok"]

@@ -52,12 +52,30 @@ def test_build_engines_trtllm_dry_run_renders_commands() -> None:
             assert flag in line
         # the deployment spec's sizes: its target GPUs and the orchestrator's admitted requests
         assert f"--max_batch_size {SPEC_ACTIVE} " in line
-    for name in DRAFTERS:  # the drafter runs on the torch engine: no TensorRT-LLM engine for nobody
+    for name in DRAFTERS:  # the paper layout serves no drafter on TensorRT-LLM: no engine for nobody
         assert not [ln for ln in r.stdout.splitlines() if ln.strip().startswith("$ trtllm-build") and f"/{name} " in ln]
     assert r.stdout.count("convert_checkpoint.py") == len(TARGETS)
     assert f"--dtype bfloat16 --tp_size {SPEC_TP}" in r.stdout and "/app/examples/models/core/" in r.stdout
     assert '"enable_kv_cache_reuse": true' in r.stdout
     assert (ROOT / "engines/trtllm").exists() == trt_before  # a dry run writes nothing
+
+
+def test_a_spec_that_serves_the_drafter_on_the_backend_builds_its_engine() -> None:
+    """deploy/gpu_trtllm_backend.yaml serves the drafter as a tensorrtllm model (drafter_trtllm): the
+    build makes it an engine of its own GPU count and the orchestrator's batch, a plain generator
+    (no external drafts) that returns fp32 generation logits (the q rows of sampled drafts)."""
+    spec = yaml.safe_load((ROOT / "deploy/gpu_trtllm_backend.yaml").read_text())
+    served = spec["models"]["drafter_trtllm"]
+    engine = next(p["engine"] for p in served["parameters"] if isinstance(p, dict) and "engine" in p)
+    assert engine in DRAFTERS
+    r = run("bash", "build_engines.sh", "--backend", "tensorrt_llm", "--dry-run", "--config", "engines/default.yaml",
+            "--spec", "deploy/gpu_trtllm_backend.yaml")
+    assert r.returncode == 0, r.stderr
+    line = build_line(r.stdout, engine)
+    assert "--gather_generation_logits --logits_dtype float32" in line and "--speculative_decoding_mode" not in line
+    assert f"--max_batch_size {SPEC_ACTIVE} " in line
+    assert r.stdout.count("convert_checkpoint.py") == len(TARGETS) + 1
+    assert f"--dtype bfloat16 --tp_size {len(served['gpus'])} " in r.stdout
 
 
 def test_dry_run_without_hf_folders(tmp_path: Path) -> None:
@@ -259,8 +277,8 @@ def test_sizes_come_from_the_deployment_spec(tmp_path: Path) -> None:
 
 def test_the_host_check_renders_a_one_gpu_backend_layout(tmp_path: Path) -> None:
     """tools/trtllm_host_check.py (for a GPU host in the TensorRT-LLM image) in its dry run: the
-    one-GPU spec renders, the target is a tensorrtllm model on GPU 0 whose engine the build plan
-    makes with tp_size 1 and the orchestrator's 8 requests."""
+    one-GPU spec renders, the target and the SD drafter are tensorrtllm models on GPU 0 whose engine
+    the build plan makes with tp_size 1 and the orchestrator's 8 requests."""
     r = subprocess.run([PY, "tools/trtllm_host_check.py", "--dry-run", "--work", str(tmp_path / "w"),
                         "--out", str(tmp_path / "r.json")], cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env={"PATH": f"{Path(PY).parent}:/usr/bin:/bin", "PYTHON": PY})
@@ -272,3 +290,9 @@ def test_the_host_check_renders_a_one_gpu_backend_layout(tmp_path: Path) -> None
     assert 'key: "gpu_device_ids" value: { string_value: "0" }' in target
     line = build_line(r.stdout, "smollm2-135m")
     assert "--max_batch_size 8 " in line and "--tp_size 1 " in r.stdout
+    # the SD drafter on the backend too, serving the tiny profile's one engine (the target's) on GPU 0
+    drafter = (tmp_path / "w/model_repository/drafter_trtllm/config.pbtxt").read_text()
+    assert 'backend: "tensorrtllm"' in drafter and f'string_value: "{engine}"' in drafter
+    assert 'key: "gpu_device_ids" value: { string_value: "0" }' in drafter
+    ssd = (tmp_path / "w/model_repository/ssd/config.pbtxt").read_text()
+    assert 'key: "drafter_backend" value: { string_value: "tensorrtllm" }' in ssd

@@ -10,7 +10,8 @@ batching, instances, where it runs and its parameters. Placement fields:
 - ``instances``: instance count (per GPU for a KIND_GPU model).
 
 ``interface: tensorrtllm`` renders a model of Triton's own TensorRT-LLM backend instead (the target
-served by the C++ backend, verified through it by serving/trtllm_backend_client.py): the backend's
+or the SD drafter served by the C++ backend, verified or drafted through over BLS by
+serving/trtllm_backend_client.py): the backend's
 decoupled in-flight-batching config with the inputs and outputs of serving/trtllm_contract.py, the
 engine folder ``<engine_root>/trtllm/<engine>`` (the spec's ``engine_root``, /opt/ssd/engines by
 default) and the backend's own parameters, which the model's ``parameters`` may override.

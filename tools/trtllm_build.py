@@ -7,10 +7,12 @@ silently fall back to rope_theta 10000), checkpoint conversion
 (examples/models/core/<family>/convert_checkpoint.py, bf16), `trtllm-build`, and
 engines/trtllm/<name>/runtime.json for backends/.../trtllm_engine.py.
 
-Only targets get a TensorRT-LLM engine: drafters speculate with tree rows over a shared prefix
-(one forward of a whole speculation tree, a custom attention mask per row), and the executor's
-Request has no input for a per-request attention mask, so the drafter runs on the torch engine
-with CUDA graphs (engine/static_engine.py) and a drafter engine here would be built for nobody.
+Every target gets a TensorRT-LLM engine (draft_tokens_external, K = max_draft_len); a drafter gets
+one where the deployment spec serves it as a `tensorrtllm` model (deploy/gpu_trtllm_backend.yaml's
+drafter_trtllm: SD drafting as plain generation requests, generation logits in fp32). SSD's
+speculation trees need rows with a custom attention mask each, which neither the executor's
+Request nor the backend's inputs take, so they stay on the torch drafter with CUDA graphs
+(engine/static_engine.py) whatever is built here.
 
 The deployment spec (``--spec``, deploy/gpu_paper_layout.yaml by default) decides the sizes that
 must agree with serving: an engine's ``tp_size`` is the number of GPUs its tensorrt_llm model
@@ -43,7 +45,7 @@ CONTAINER_EXAMPLES = "/app/examples"  # the TensorRT-LLM examples in NGC's trtll
 DEFAULTS = {"version": "1.2", "examples_dir": CONTAINER_EXAMPLES, "max_draft_len": 4,
             "max_batch_size": 8, "max_seq_len": 4096, "max_input_len": None, "max_num_tokens": 4096,
             "enable_chunked_context": True, "kv_cache_free_gpu_mem_fraction": {"target": 0.5}}
-ROLES = ("target",)  # the roles served on TensorRT-LLM (see the module docstring for the drafter)
+ROLES = ("target",)  # built whatever the spec says; a drafter only where the spec serves it (docstring)
 # HF model_type -> (examples/models/core/<dir>, architectures entry for the compat config.json)
 FAMILIES = {"qwen2": ("qwen", "Qwen2ForCausalLM"), "llama": ("llama", "LlamaForCausalLM"),
             "mistral": ("llama", "MistralForCausalLM")}
@@ -97,6 +99,9 @@ def spec_limits(spec: dict | None) -> dict[str, dict]:
         limits = {"tp_size": len(m.get("gpus") or [0])}
         if active and active[0]:
             limits["max_batch_size"] = int(active[0])
+        if engine in out and out[engine] != limits:  # one engine folder serves both models: one build
+            raise BuildError(f"deployment spec: engine {engine} is served by models of different sizes "
+                             f"({out[engine]} and models.{name}'s {limits})", 2)
         out[engine] = limits
     return out
 
@@ -198,7 +203,7 @@ def make_plans(config: Path, engines_root: Path, out_root: Path | None, python: 
         raise BuildError(f"deployment spec {deploy_spec} serves {', '.join(unknown)} on tensorrt_llm, which {config} "
                          "does not build", 2)
     return s, [plan_engine(n, spec, s, engines_root, out_root, python, limits.get(n))
-               for n, spec in cfg["engines"].items() if spec["role"] in ROLES]
+               for n, spec in cfg["engines"].items() if spec["role"] in ROLES or n in limits]
 
 
 def describe(plans: list[EnginePlan], s: dict, out) -> None:

@@ -11,8 +11,13 @@ repository installed there. What CI can only check against stand-ins, this check
    target's token); sampled verification with one-hot fp32 draft logits of the greedy draft at a
    low temperature accepts it; a prompt over max_input_len is refused before enqueue (ValueError
    naming max_input_len) and, sent anyway, answered by the executor with an error response.
-3. Through tritonserver with the target on Triton's TensorRT-LLM backend (the rendered spec): greedy
-   SD and SSD output equal AR token for token, for three prompts.
+3. Through tritonserver with the target and the SD drafter on Triton's TensorRT-LLM backend (the
+   rendered spec; the drafter model serves the target's engine, so greedy drafts are the target's
+   own tokens): greedy SD and SSD output equal AR token for token, for three prompts, and SD
+   accepts drafts. Then the drafter model directly, with the backend's tensors over the generate
+   endpoint: a greedy draft of K tokens is the first K tokens of the AR output; a sampled draft
+   comes back with fp32 generation logits, one row of the engine's vocabulary per token; a prompt
+   over the engine's max_input_len gets an error response.
 
 Writes a JSON report (``--out``); exit status 1 when a check fails. ``--dry-run`` writes the spec
 and the model repository and prints the build plan, nothing else (what CI runs).
@@ -26,6 +31,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -61,6 +67,9 @@ def one_gpu_spec(engine_root: Path, vocab: int) -> dict:
     models["target"]["gpus"] = [0]
     setp("target", "engine", TARGET)
     setp("target", "kv_cache_free_gpu_mem_fraction", "0.3")
+    models["drafter_trtllm"]["gpus"] = [0]
+    setp("drafter_trtllm", "engine", TARGET)  # the tiny profile builds one engine: drafts are the target's own
+    setp("drafter_trtllm", "kv_cache_free_gpu_mem_fraction", "0.2")
     models["drafter_primary"]["gpus"] = [0]
     for key, value in (("engine", TARGET), ("max_sequences", "8"), ("static_kv_len", "2048")):
         setp("drafter_primary", key, value)
@@ -114,7 +123,41 @@ def executor_checks(engine_root: Path, k: int = 4) -> dict:
     return out
 
 
-def triton_checks(repo: Path, engine_root: Path) -> dict:
+def _generate(srv, model: str, body: dict) -> tuple[int, dict]:
+    """(HTTP status, JSON answer) of Triton's generate endpoint; an error answer is {"error": ...}."""
+    req = urllib.request.Request(f"http://{srv.http_url}/v2/models/{model}/generate", data=json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.loads(r.read().decode())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read().decode() or "{}")
+
+
+def drafter_checks(srv, ar_ids: list[int], prompt_ids: list[int], vocab: int, k: int = 4) -> dict:
+    """The drafter model with the backend's own tensors (what the orchestrator sends over BLS), over
+    Triton's generate endpoint: it takes each input as a JSON value or flat list (the batch
+    dimension is added) and answers each output as a flat list."""
+    base = {"input_ids": prompt_ids, "input_lengths": len(prompt_ids), "request_output_len": k, "end_id": -1,
+            "streaming": False, "exclude_input_in_output": True}
+    out: dict = {}
+    status, greedy = _generate(srv, "drafter_trtllm", {**base, "runtime_top_k": 1})
+    out["greedy_draft"] = greedy.get("output_ids")
+    out["greedy_draft_is_ar"] = status == 200 and list(greedy.get("output_ids") or [])[:k] == ar_ids[:k]
+    status, sampled = _generate(srv, "drafter_trtllm", {**base, "temperature": 0.8, "runtime_top_p": 1.0,
+                                                        "return_generation_logits": True, "seed": 7})
+    logits = sampled.get("generation_logits") or []
+    out["generation_logits_values"] = len(logits)
+    out["generation_logits_ok"] = status == 200 and len(logits) == k * vocab  # [1, beam 1, K, vocab] flat
+    too_long = [prompt_ids[0]] * 100000
+    status, err = _generate(srv, "drafter_trtllm", {**base, "input_ids": too_long, "input_lengths": len(too_long),
+                                                    "runtime_top_k": 1})
+    out["over_long_error"] = str(err.get("error", ""))[:300]
+    out["over_long_refused"] = status >= 400 and "length" in out["over_long_error"].lower()
+    out["ok"] = out["greedy_draft_is_ar"] and out["generation_logits_ok"] and out["over_long_refused"]
+    return out
+
+
+def triton_checks(repo: Path, engine_root: Path, vocab: int) -> dict:
     from ssd_tools.triton_launcher import TritonServer, prepare_backend_dir
 
     backends = prepare_backend_dir(REPO / "build")
@@ -133,13 +176,22 @@ def triton_checks(repo: Path, engine_root: Path) -> dict:
                 with urllib.request.urlopen(req, timeout=300) as r:
                     d = json.loads(r.read().decode())
                 got[mode] = (d["output_ids"], json.loads(d["stats"]).get("acceptance_length"))
+            if prompt == PROMPTS[0]:
+                first_ar = got["ar"][0]
             rows.append({"prompt": prompt, "sd_equal_ar": got["sd"][0] == got["ar"][0],
                          "ssd_equal_ar": got["ssd"][0] == got["ar"][0],
                          "acceptance_length": {m: a for m, (_, a) in got.items()}})
+            rows[-1]["sd_accepts_drafts"] = (got["sd"][1] or 0) > 1.0
             log(f"{prompt[:30]!r}: SD == AR {rows[-1]['sd_equal_ar']}, SSD == AR {rows[-1]['ssd_equal_ar']}")
+        from ssd.decoding.text import TextCodec
+
+        prompt_ids = TextCodec(engine_root / TARGET).encode_prompt(PROMPTS[0])
+        drafter = drafter_checks(srv, first_ar, prompt_ids, vocab)
+        log(f"drafter model checks: { {k: v for k, v in drafter.items() if k != 'greedy_draft'} }")
     finally:
         srv.stop()
-    return {"prompts": rows, "ok": all(r["sd_equal_ar"] and r["ssd_equal_ar"] for r in rows)}
+    ok = all(r["sd_equal_ar"] and r["ssd_equal_ar"] and r["sd_accepts_drafts"] for r in rows) and drafter["ok"]
+    return {"prompts": rows, "drafter": drafter, "ok": ok}
 
 
 def main() -> None:
@@ -165,7 +217,7 @@ def main() -> None:
         os.environ["SSD_ENGINE_ROOT"] = str(engine_root)
         report["executor"] = executor_checks(engine_root)
         log(f"executor checks: {report['executor']}")
-        report["triton"] = triton_checks(repo, engine_root)
+        report["triton"] = triton_checks(repo, engine_root, vocab)
     report["wall_s"] = round(time.perf_counter() - started, 1)
     report["ok"] = a.dry_run or (report["executor"]["ok"] and report["triton"]["ok"])
     a.out.write_text(json.dumps(report, indent=1))

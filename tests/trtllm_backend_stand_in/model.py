@@ -16,12 +16,21 @@ serving/trtllm_contract.py. Behaviour, as the backend's source has it
 - drafts are verified as externalDraftTokensKernels.cu does: greedy (top_k 1) by token matching,
   sampled with `draft_logits` by min(1, p/q) and a residual draw from max(0, p - q); draft logits
   must be fp32 [drafts, vocab];
-- `output_ids` is [1, beam, tokens] int32 and `sequence_length` [1, beam] int32.
+- `output_ids` is [1, beam, tokens] int32 and `sequence_length` [1, beam] int32; with
+  `return_generation_logits` an answer also carries `generation_logits` [1, beam, tokens, vocab]
+  fp32, the raw logits each of its tokens was drawn from (what `tensorrt_llm_bls` reads from its
+  draft model: `_spec_generate` in `tensorrt_llm_bls/1/lib/decode.py`);
+- a prompt over the engine's max_input_len gets an error response ("Prompt length (n) exceeds
+  maximum input length (m).", `LlmRequest::validate`), as does a request without `input_ids` or
+  with `input_lengths` other than its length. The stand-in's max_input_len is its config's
+  `stand_in_max_input_len` parameter (the real backend reads it from the engine).
 
-The target is the CI target's torch engine in fp32 with batch-invariant forwards (`gpt_model_path`
-names its folder), so greedy output equals the in-process target's. Every request, stop and
-finished request is logged as a JSON line to $TRTLLM_STAND_IN_LOG for the test to read.
+The model is a torch engine in fp32 with batch-invariant forwards (`gpt_model_path` names its
+folder: the CI target for `target`, the CI drafter for `drafter_trtllm`), so greedy output equals
+the in-process engine's. Every request, stop and finished request is logged, with the model's
+name, as a JSON line to $TRTLLM_STAND_IN_LOG for the test to read.
 """
+import hashlib
 import json
 import os
 import sys
@@ -62,6 +71,8 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(cfg):
             raise ValueError("stand-in: the TensorRT-LLM backend's model is decoupled")
         params = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
+        self.name = cfg["name"]
+        self.max_input_len = int(params.get("stand_in_max_input_len", "2048"))
         self.engine = TorchEngine(params["gpt_model_path"], dtype="float32", exact=True, max_sequences=256)
         self.vocab = self.engine.vocab_size
         self.engine_lock = threading.Lock()
@@ -72,7 +83,7 @@ class TritonPythonModel:
 
     def _write(self, **event) -> None:
         with self.log_lock:
-            self.log.write(json.dumps(event) + "\n")
+            self.log.write(json.dumps({"model": self.name, **event}) + "\n")
 
     # -- requests -----------------------------------------------------------------------------------
     def execute(self, requests):
@@ -94,16 +105,21 @@ class TritonPythonModel:
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
             self._write(event="request", request_id=rid,
-                        inputs={n: [str(a.dtype), list(a.shape)] for n, a in inputs.items()})
+                        inputs={n: [str(a.dtype), list(a.shape)] for n, a in inputs.items()},
+                        scalars={n: a.reshape(-1)[0].item() for n, a in inputs.items() if a.size == 1})
             stopped = threading.Event()
             with self.live_lock:
                 self.live[rid] = stopped
             threading.Thread(target=self._serve, args=(rid, inputs, sender, stopped), daemon=True).start()
         return None
 
-    def _respond(self, sender, tokens: list[int], final: bool) -> None:
+    def _respond(self, sender, tokens: list[int], final: bool, logits: list | None = None) -> None:
         out = [pb_utils.Tensor("output_ids", np.array([[tokens]], dtype=np.int32)),
                pb_utils.Tensor("sequence_length", np.array([[len(tokens)]], dtype=np.int32))]
+        if logits is not None:  # [1, beam, tokens, vocab]
+            rows = (torch.stack(logits[-len(tokens):]).float().numpy() if tokens
+                    else np.zeros((0, self.vocab), np.float32))
+            out.append(pb_utils.Tensor("generation_logits", np.ascontiguousarray(rows[None, None], dtype=np.float32)))
         sender.send(pb_utils.InferenceResponse(output_tensors=out),
                     flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
 
@@ -148,7 +164,16 @@ class TritonPythonModel:
 
     def _generate(self, rid: str, inputs: dict, sender, stopped: threading.Event) -> None:
         n = int(inputs["input_lengths"].reshape(-1)[0])
+        if "input_ids" not in inputs or inputs["input_ids"].size == 0:
+            raise ValueError("input_ids is required")
+        if n != inputs["input_ids"].reshape(-1).size:
+            raise ValueError(f"input_lengths ({n}) differs from the length of input_ids "
+                             f"({inputs['input_ids'].reshape(-1).size})")
+        if n > self.max_input_len:
+            raise ValueError(f"Prompt length ({n}) exceeds maximum input length ({self.max_input_len}).")
         tokens = [int(t) for t in inputs["input_ids"].reshape(-1)[:n]]
+        want_logits = "return_generation_logits" in inputs and bool(inputs["return_generation_logits"].reshape(-1)[0])
+        kept: list | None = [] if want_logits else None  # each new token's logits row
         draft = [int(t) for t in inputs.get("draft_input_ids", np.zeros(0, np.int32)).reshape(-1)]
         max_new = int(inputs["request_output_len"].reshape(-1)[0])
         streaming = "streaming" in inputs and bool(inputs["streaming"].reshape(-1)[0])
@@ -169,6 +194,8 @@ class TritonPythonModel:
             p = self._p(rows[i], inputs)
             if d is None:
                 new.append(int(rows[i].argmax()) if p is None else int(torch.multinomial(p, 1, generator=gen)))
+                if kept is not None:
+                    kept.append(rows[i])
                 break
             if p is None:
                 ok = int(rows[i].argmax()) == d
@@ -186,8 +213,10 @@ class TritonPythonModel:
             new.append(d)
         out = new[:max_new]
         decoded, cut = 0, False
+        if kept is not None and draft:
+            raise ValueError("stand-in: generation logits of a verify with drafts are not modelled")
         if streaming:
-            self._respond(sender, out, final=len(out) >= max_new)
+            self._respond(sender, out, final=len(out) >= max_new, logits=kept)
             while len(out) < max_new:
                 time.sleep(ITERATION_S)
                 if stopped.is_set():  # cancelled: a last, empty final response
@@ -199,16 +228,29 @@ class TritonPythonModel:
                 t = int(row.argmax()) if p is None else int(torch.multinomial(p, 1, generator=gen))
                 out.append(t)
                 decoded += 1
-                self._respond(sender, [t], final=len(out) >= max_new)
+                if kept is not None:
+                    kept.append(row)
+                self._respond(sender, [t], final=len(out) >= max_new, logits=kept)
         else:
             while len(out) < max_new:
                 row = self._logits(rid, tokens + out, 1)[0]
                 p = self._p(row, inputs)
                 out.append(int(row.argmax()) if p is None else int(torch.multinomial(p, 1, generator=gen)))
                 decoded += 1
-            self._respond(sender, out, final=True)
+                if kept is not None:
+                    kept.append(row)
+            self._respond(sender, out, final=True, logits=kept)
+        # what the test matches a draft to its verify by, and the probabilities each side used: p of
+        # every token this request drew (from its generation logits), q of every draft it verified
+        prefix = hashlib.sha1(np.asarray(tokens, dtype=np.int64).tobytes()).hexdigest()[:16]
+        extra = {}
+        if kept is not None:
+            ps = [self._p(row, inputs) for row in kept]
+            extra["p_of_token"] = [None if p is None else float(p[t]) for p, t in zip(ps, out)]
+        if q is not None:
+            extra["q_of_draft"] = [float(q[i, d]) for i, d in enumerate(draft)]
         self._write(event="done", request_id=rid, drafts=len(draft), first=len(new), decoded_after_first=decoded,
-                    stopped=cut, streaming=streaming)
+                    stopped=cut, streaming=streaming, asked=max_new, prefix=prefix, draft=draft, out=out, **extra)
 
     def finalize(self):
         self.log.close()

@@ -29,7 +29,7 @@ K_MIN, K_MAX = 1, 7
 AR_STEPS_MAX = 32  # AR steps of one call: a streamed block, and how long a new request waits to join
 # B: branches the drafter pre-drafts per sequence; each is a tree row every speculation step
 BUDGET_MAX = 64
-TARGET_BACKENDS = ("python_ssd", "tensorrtllm")
+TARGET_BACKENDS = ("python_ssd", "tensorrtllm")  # what serves the target (and the SD drafter)
 
 # the request input each DecodeConfig field is read from, where the names differ
 _INPUT_NAMES = {"k": "num_draft_tokens"}
@@ -135,6 +135,11 @@ class ServerConfig:
     # its engine's padded vocabulary, the width of draft logits (0: the drafter's rows as they are)
     target_backend: str = "python_ssd"
     target_vocab_size: int = 0
+    # what drafts SD: the torch drafter (python_ssd, `drafter_primary`) or the drafter engine on
+    # Triton's TensorRT-LLM backend (tensorrtllm: a generation request of K tokens to the model
+    # `drafter_model`); speculation trees stay on `drafter_primary` (docs/tensorrt_llm.md)
+    drafter_backend: str = "python_ssd"
+    drafter_model: str = "drafter_trtllm"
     # free drafts (algorithm/free_draft.py): lookup rounds, SD whose drafts come from the request's
     # own text and the suffix cache, offered to the scheduler; their longest draft: K + 1 = 16 rows
     # are one forward of the llama.cpp target (its logit_rows), a 17th would cost a forward of its own
@@ -199,6 +204,10 @@ class ServerConfig:
               f"must be > 0, got {self.supervise_interval_s}")
         check(self.target_backend in TARGET_BACKENDS, "target_backend",
               f"must be one of {', '.join(TARGET_BACKENDS)}, got {self.target_backend!r}")
+        check(self.drafter_backend in TARGET_BACKENDS, "drafter_backend",
+              f"must be one of {', '.join(TARGET_BACKENDS)}, got {self.drafter_backend!r}")
+        check(self.drafter_backend != "tensorrtllm" or bool(self.drafter_model), "drafter_model",
+              "must name the drafter's tensorrtllm model when drafter_backend is 'tensorrtllm'")
         check(self.target_vocab_size >= 0, "target_vocab_size", f"must be >= 0, got {self.target_vocab_size}")
         self.policy.validate()
         check(1 <= self.lookup_max_k <= LOOKUP_K_MAX, "lookup_max_k",
@@ -282,7 +291,8 @@ class EngineConfig:
               f"must be empty or one of {', '.join(BACKENDS)}, got {self.engine_backend!r}")
         check(self.role == "target" or self.engine_backend not in ("llamacpp", "tensorrt_llm"), "engine_backend",
               f"{self.engine_backend} serves the target only; the {self.role} speculates with tree rows, which "
-              "needs engine_backend 'torch' or 'openvino'")
+              "needs engine_backend 'torch' or 'openvino' (a TensorRT-LLM drafter for SD is a model of Triton's "
+              "tensorrtllm backend, the orchestrator's drafter_backend)")
         for name in ("cores", "wide_cores", "gpu_device_ids"):
             check(all(c.strip().isdigit() for c in getattr(self, name).split(",") if c.strip()), name,
                   f"must be comma-separated numbers, got {getattr(self, name)!r}")

@@ -57,9 +57,10 @@ class OrchestratorModel:
             self.shared.policy.trace = lambda ev: self._trace_file.write(
                 json.dumps({"t": round(time.time(), 3), **ev}) + "\n")
         # concurrent sequences reach the engines together (see decoding/coalescer.py); 0 disables
-        if cfg.target_backend == "tensorrtllm":  # the target is Triton's TensorRT-LLM backend
+        if "tensorrtllm" in (cfg.target_backend, cfg.drafter_backend):  # models of Triton's TensorRT-LLM backend
             from .trtllm_backend_client import TrtllmBackendClient
-            bls = TrtllmBackendClient(cfg.target_vocab_size)
+            bls = TrtllmBackendClient(cfg.target_vocab_size, target_on_backend=cfg.target_backend == "tensorrtllm",
+                                      drafter_model=cfg.drafter_model if cfg.drafter_backend == "tensorrtllm" else "")
         else:
             bls = BLSClient()
         self.bls = bls

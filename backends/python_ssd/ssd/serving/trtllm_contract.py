@@ -1,6 +1,7 @@
 """The contract of Triton's TensorRT-LLM backend (`backend: "tensorrtllm"`, the 1.2-era release):
-the tensors a verify request sends and reads, with their names, dtypes and dims, and how a round's
-VerifyCall maps onto them. numpy only, so the deployment renderer and the tests use it too.
+the tensors a verify request (to the target model) and a draft request (to the drafter model) send
+and read, with their names, dtypes and dims, and how a round's VerifyCall and DraftCall map onto
+them. numpy only, so the deployment renderer and the tests use it too.
 
 Source: TensorRT-LLM release/1.2 `triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/
 config.pbtxt` (the model's inputs, outputs and parameters) and `triton_backend/inflight_batcher_llm/
@@ -9,7 +10,11 @@ id of an earlier one cancels it and is answered with one empty final response; `
 Triton-cancelled request is noticed every `cancellation_check_period_ms`). The model is decoupled;
 with `streaming` true it answers after every iteration with the tokens it added
 (`exclude_input_in_output` true: only new tokens), and a verify's first answer is the accepted drafts
-plus one target token, as the executor's (engine/trtllm_engine.py).
+plus one target token, as the executor's (engine/trtllm_engine.py). A draft is a plain generation
+of K tokens, non-streaming, as `tensorrt_llm_bls` asks its draft model for drafts (`_spec_generate`
+in `triton_backend/all_models/inflight_batcher_llm/tensorrt_llm_bls/1/lib/decode.py`): its one
+answer carries `output_ids` [1, beam, K] and, with `return_generation_logits`, `generation_logits`
+[1, beam, K, padded vocab] fp32, the raw logits each drafted token was sampled from.
 """
 from __future__ import annotations
 
@@ -103,6 +108,51 @@ def verify_request(tokens: list[int], draft: list[int], params, seed: int, probs
             width = vocab or (probs.shape[-1] if probs is not None else max(draft) + 1)
             t["draft_logits"] = draft_logits(draft, probs, width)[None]
     return VerifyRequest(t, list(draft))
+
+
+def draft_request(tokens: list[int], k: int, params, seed: int) -> dict[str, np.ndarray]:
+    """A plain generation of ``k`` draft tokens after ``tokens``: non-streaming, no end token (a
+    draft runs its K tokens whatever it meets: the orchestrator's stop rules apply to verified
+    tokens only). Greedy sends top_k 1; sampling sends the request's temperature / top-p / top-k
+    and asks for the generation logits, the q the verifier needs (``draft_probs``)."""
+    if not tokens:
+        raise ValueError("tokens must not be empty")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    t = {"input_ids": np.array([tokens], dtype=np.int32), "input_lengths": _scalar("input_lengths", len(tokens)),
+         "request_output_len": _scalar("request_output_len", k), "end_id": _scalar("end_id", NO_END_ID),
+         "exclude_input_in_output": _scalar("exclude_input_in_output", True),
+         "streaming": _scalar("streaming", False), "seed": _scalar("seed", seed % (2**63 - 1))}
+    if params.greedy:
+        t["runtime_top_k"] = _scalar("runtime_top_k", 1)
+    else:
+        t["temperature"] = _scalar("temperature", float(params.temperature))
+        t["runtime_top_p"] = _scalar("runtime_top_p", float(params.top_p))
+        if params.top_k > 0:
+            t["runtime_top_k"] = _scalar("runtime_top_k", int(params.top_k))
+        t["return_generation_logits"] = _scalar("return_generation_logits", True)
+    return t
+
+
+def draft_answer(output_ids: np.ndarray, length: int | None, k: int,
+                 generation_logits: np.ndarray | None = None) -> tuple[list[int], np.ndarray | None]:
+    """(draft tokens, their generation logits [n, vocab] fp32 or None) from a draft request's
+    answer; refuses an answer that is not the backend's (too many tokens, logits that are not fp32
+    or not one row a token)."""
+    toks = [int(x) for x in np.asarray(output_ids).reshape(-1)]
+    if length is not None:
+        toks = toks[:length]
+    if not toks or len(toks) > k:
+        raise ValueError(f"the TensorRT-LLM backend answered a draft of {k} tokens with {len(toks)}")
+    if generation_logits is None:
+        return toks, None
+    logits = np.asarray(generation_logits)
+    if logits.dtype != np.float32:
+        raise ValueError(f"generation_logits must be float32 (--logits_dtype float32), got {logits.dtype}")
+    rows = logits.reshape(-1, logits.shape[-1])
+    if rows.shape[0] < len(toks):
+        raise ValueError(f"generation_logits hold {rows.shape[0]} rows for {len(toks)} draft tokens")
+    return toks, rows[:len(toks)]
 
 
 def stop_request() -> dict[str, np.ndarray]:

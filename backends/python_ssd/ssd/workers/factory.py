@@ -4,8 +4,10 @@
 (the CPU OpenVINO engine, every role), `llamacpp` (the CPU target on llama.cpp, from the GGUF file)
 or `tensorrt_llm` (the target only: TensorRT-LLM verifies drafts natively with
 draft_tokens_external). Speculation needs tree rows over a shared prefix, which the torch and
-OpenVINO engines run, so drafters take one of those. Unset, the engine folder's own `runtime` (engine.json, from
-engines/*.yaml) decides, else torch.
+OpenVINO engines run, so drafters take one of those here. A drafter's TensorRT-LLM engine (built
+where the deployment spec serves a `tensorrtllm` drafter model) is served by Triton's own
+TensorRT-LLM backend and drafts SD through it (serving/trtllm_backend_client.py), not built here.
+Unset, the engine folder's own `runtime` (engine.json, from engines/*.yaml) decides, else torch.
 `static_kv_len` > 0 gives the torch engine a static KV pool of that many tokens per sequence and
 fixed-shape decode / tree steps, captured as CUDA graphs on a GPU (`cuda_graphs`, default true
 there): the GPU drafter (engine/static_engine.py).
