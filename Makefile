@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test venv venv-dev engines bench bench-quick bench-free loadtest aiperf soak clean llama-server
+.PHONY: serve test venv venv-dev engines bench bench-quick bench-free loadtest loadtest-edits aiperf soak clean llama-server
 
 # The pinned serving stack (requirements.txt) and llama-cpp-python, patched and built from source
 # once per user and CPU (tools/llamacpp/install_llama_cpp_python.sh keeps the wheel in ~/.cache/ssd),
@@ -48,7 +48,7 @@ bench: engines $(DEV_STAMP)
 	$(PY) tools/bench/run.py --preset full
 
 # free drafts (lookup rounds) on code edits, repeated agent tasks and the mix, against llama-server's
-# AR and n-gram speculation, side by side (results/free_drafts/report.md)
+# AR and n-gram speculation and llama-cpp-python's prompt lookup, side by side (results/free_drafts/report.md)
 bench-free: engines $(DEV_STAMP)
 	$(PY) tools/bench/free_drafts.py --out results/free_drafts
 
@@ -64,6 +64,13 @@ clean:
 LOADTEST_ARGS ?=
 loadtest: $(DEV_STAMP)
 	$(PY) loadtest/sweep.py $(LOADTEST_ARGS)
+
+# The edit workload under load: ours against llama-server AR and its n-gram speculation with N slots,
+# 1 / 4 / 16 users (loadtest/peer_sweep.py; results/loadtest_edits/report.md). PEER_LOAD_ARGS: e.g.
+# --workload agent, --concurrency 1,4 --run-time 30s for a smoke run.
+PEER_LOAD_ARGS ?=
+loadtest-edits: engines $(DEV_STAMP)
+	$(PY) loadtest/peer_sweep.py --workload edits $(PEER_LOAD_ARGS)
 
 # NVIDIA AIPerf against the OpenAI endpoint of a running `make serve` (small scale; see loadtest/aiperf_run.py).
 # Its own venv: AIPerf needs numpy 2, the serving stack numpy 1.26.

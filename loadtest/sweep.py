@@ -3,7 +3,7 @@
 Against a running server (--url http://127.0.0.1:8000, metrics from --metrics-url) or one started
 here: --engine-root/--config like tools/bench/run.py (target on core 0, drafter on core 1), or
 --tiny (the CI engines in build/test_engines: smollm2-135m fp32 target, the same weights in bf16 as
-drafter) for quick smoke runs. Each cell runs `locust -f loadtest/locustfile.py --headless -u N -r N
+drafter) for quick smoke runs. The prompts: --datasets, or --workload (edits, agent, mix; loadtest/traffic.py). Each cell runs `locust -f loadtest/locustfile.py --headless -u N -r N
 --run-time T` (users finish the request in flight, up to --stop-timeout), scrapes /metrics before
 and after, and records requests, failures, output tokens/s (over the span and steady: see
 steady_rate), p50/p99 latency, TTFT p50 (StreamUser), and the mode policy's per-round choices
@@ -33,6 +33,7 @@ from urllib.parse import urlparse
 
 from ssd_loadtest.sweep_report import (hit_rate, latency_fields, markdown, merge, plot, policy_fields, steady_rate,
                                        write_report)
+from ssd_loadtest.traffic import WORKLOAD_DATASETS, workload_datasets
 from ssd_tools.prompts import ALL as ALL_DATASETS
 from ssd_tools.runner import config_pair, locust_cmd, ssd_params, start_pair, tiny_pair, wait_idle, warm_up
 
@@ -174,7 +175,9 @@ def main() -> None:
     ap.add_argument("--stop-timeout", type=int, default=600, help="seconds users get to finish the request in flight")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--user-class", default="GenerateUser", help="GenerateUser, StreamUser or both (comma)")
-    ap.add_argument("--datasets", default=ALL_DATASETS)
+    ap.add_argument("--datasets", default=ALL_DATASETS, help="comma-separated (also edits, agent)")
+    ap.add_argument("--workload", choices=WORKLOAD_DATASETS,
+                    help="the prompts by workload: edits, agent or mix (sets --datasets; loadtest/traffic.py)")
     ap.add_argument("--prompts-per-dataset", type=int, default=16)
     ap.add_argument("--max-active", type=int, default=64, help="max_active_requests of a server started here")
     ap.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
@@ -183,6 +186,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "results" / "loadtest")
     a = ap.parse_args()
     a.run_seconds = _seconds(a.run_time)
+    if a.workload:
+        a.datasets = workload_datasets(a.workload)
     levels = [int(x) for x in a.concurrency.split(",") if x]
     modes = [m for m in a.modes.split(",") if m]
     a.out.mkdir(parents=True, exist_ok=True)
@@ -226,7 +231,7 @@ def main() -> None:
             srv.stop()
     plots = plot(rows, a.out) if rows else []
     write_report(rows, a.out, f"Load sweep: {a.modes} at {a.concurrency} users, {a.run_time} a cell, "
-                 f"{a.max_tokens} tokens a request", plots)
+                 f"{a.max_tokens} tokens a request, prompts: {a.workload or a.datasets}", plots)
     print("\n" + markdown(rows))
     print(f"\n[loadtest] {a.out / 'report.md'}, {a.out / 'sweep.csv'}; plots: {', '.join(str(p) for p in plots)}; "
           f"per-cell Locust CSV/HTML: {a.out / 'cells'}")

@@ -143,3 +143,33 @@ def write_report(rows: list[dict], out: Path, title: str, plots: list[Path]) -> 
     """results/loadtest/report.md: the sweep's table and where its figures and Locust's files are."""
     files = ", ".join(p.name for p in plots) + "; sweep.csv; per-cell Locust CSV/HTML in cells/"
     return md.write(out / "report.md", title, [("Per mode and concurrency", markdown(rows)), ("Files", files)])
+
+
+# -- ours against llama-server sides (peer_sweep.py) -------------------------------------------------------
+def ratio(ours: float, other: float) -> str:
+    return f"{ours / other:.2f}" if ours and other else "-"
+
+
+def peer_markdown(rows: list[dict], sides: list[str], ours: str = "ours") -> str:
+    """Steady tokens/s of every side per user count, then ours / llama-server AR and ours / the
+    best n-gram side at that user count (the fastest of the ``llama-ngram-*`` sides there, named)."""
+    ngrams = [s for s in sides if s.startswith("llama-ngram")]
+    out = []
+    for users in sorted({r["users"] for r in rows}):
+        tps = {r["side"]: r["steady_tokens_per_s"] for r in rows if r["users"] == users}
+        best = max((s for s in ngrams if s in tps), key=lambda s: tps[s], default=None)
+        out.append([users, *(md.fmt(tps.get(s)) for s in sides),
+                    ratio(tps.get(ours), tps.get("llama-ar")) if "llama-ar" in sides else "-",
+                    f"{ratio(tps.get(ours), tps[best])} ({best.removeprefix('llama-')})" if best else "-"])
+    return md.table(["users", *(f"{s} tok/s" for s in sides), f"{ours} / llama-ar", f"{ours} / best n-gram"], out)
+
+
+def side_rows(rows: list[dict]) -> str:
+    """Every side's cell: requests, failures, steady tok/s (and per part), tokens/s over the span,
+    latency percentiles, our policy's rounds by choice."""
+    return md.table(
+        ["side", "users", "requests", "failures", "steady tok/s", "parts' steady tok/s", "tok/s over the span",
+         "p50 ms", "p99 ms", "rounds by policy choice"],
+        [[r["side"], r["users"], r["requests"], r["failures"], md.fmt(r["steady_tokens_per_s"]),
+          r["parts_steady_tok_s"], md.fmt(r["output_tokens_per_s"]), md.fmt(r.get("latency_p50_ms") or None, ".0f"),
+          md.fmt(r.get("latency_p99_ms") or None, ".0f"), r.get("policy_decisions") or "-"] for r in rows])

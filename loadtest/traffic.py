@@ -11,6 +11,9 @@ from ssd_tools.prompts import ALL, load
 GENERATE = "/v2/models/ssd/generate"
 GENERATE_STREAM = "/v2/models/ssd/generate_stream"
 LOOPBACK = ("127.0.0.1", "localhost")  # the load tests target this machine only
+# a workload's datasets (SSD_DATASETS): the free-draft workloads of tools/bench/workloads.py, and the
+# mix, the load test's usual traffic (HumanEval / GSM8K / MT-Bench interleaved)
+WORKLOAD_DATASETS = {"edits": "edits", "agent": "agent", "mix": ALL}
 
 
 def prompts(datasets: list[str], per_dataset: int) -> list[str]:
@@ -21,6 +24,13 @@ def prompts(datasets: list[str], per_dataset: int) -> list[str]:
 
     sets = [WORKLOADS[ds](per_dataset) if ds in ("edits", "agent") else load(ds, per_dataset) for ds in datasets]
     return [p for group in itertools.zip_longest(*sets) for p in group if p]
+
+
+def workload_datasets(workload: str) -> str:
+    """The SSD_DATASETS value of a named workload (edits, agent, mix)."""
+    if workload not in WORKLOAD_DATASETS:
+        raise ValueError(f"workload: expected one of {', '.join(WORKLOAD_DATASETS)}, got {workload!r}")
+    return WORKLOAD_DATASETS[workload]
 
 
 def env_datasets() -> list[str]:

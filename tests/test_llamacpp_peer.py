@@ -1,7 +1,8 @@
 """The llama.cpp peer (tools/bench/llamacpp.py): llama-server built from the pinned sdist's llama.cpp,
 run on a tiny random GGUF written here, greedy, alone and with its speculative decoding; the rows the
 bench takes from its responses; the load peer (parallel slots under the loadtest's Locust users);
-and the report's ours-over-llama.cpp ratios.
+the report's ours-over-llama.cpp ratios; and llama-cpp-python's prompt lookup peer
+(tools/bench/lcpp_lookup.py).
 
 The first test builds llama-server (build/llama.cpp-<version>/, a few minutes on 2 cores) unless a
 cached build with the same options is there."""
@@ -15,6 +16,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ssd_tools.bench import llamacpp, report
@@ -49,6 +51,55 @@ def test_every_flag_the_peer_passes_is_one_llama_server_knows(binary, ggufs):
     assert cmd[:3] == ["taskset", "-c", "0,1"]
     ar = llamacpp.command(binary, llamacpp.PeerConfig(ggufs["target"]), 8080)
     assert "-md" not in ar and "--spec-type" not in ar
+
+
+@pytest.mark.parametrize("side", [f"llama-{t}" for t in llamacpp.NGRAM_FLAGS])
+def test_every_ngram_side_starts_with_flags_llama_server_knows(binary, ggufs, side):
+    help_text = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=60).stdout
+    cfg = llamacpp.peer_config(side, {"target": ggufs["target"], "drafter": ggufs["other"]})
+    flags = [c for c in cfg.extra if c.startswith("-")]
+    assert "--spec-type" in flags
+    for f in flags:
+        assert f in help_text.replace(",", " ").split(), f
+    assert side.removeprefix("llama-") in help_text  # the --spec-type value
+
+
+def test_prompt_lookup_peer_keeps_greedy_tokens_and_counts_its_drafts(ggufs):
+    from llama_cpp import Llama
+
+    from ssd_tools.bench.lcpp_lookup import PromptLookupPeer
+
+    prompts = [PROMPT, [1, 300, 301, 300, 301, 300, 301, 320]]
+    llm = Llama(model_path=str(ggufs["target"]), n_ctx=128, n_threads=1, verbose=False)
+    plain = []
+    for p in prompts:
+        llm.reset()
+        out = []
+        for t in llm.generate(p, temp=0.0, top_k=1, repeat_penalty=1.0):
+            if t == llm.token_eos() or len(out) == N:
+                break
+            out.append(t)
+        plain.append(out)
+    del llm
+    with PromptLookupPeer(ggufs["target"], pred_tokens=4, n_ctx=128, cores="0", threads=1) as peer:
+        rows = [peer.complete(p, N) for p in prompts]
+        again = peer.complete(prompts[0], N)
+    assert [r["ids"] for r in rows] == plain and again["ids"] == rows[0]["ids"]
+    for r in rows:
+        assert r["tokens"] == len(r["ids"]) and r["decode_tps"] > 0 and r["prefill_s"] > 0
+        assert 0 <= r["draft_n_accepted"] <= r["draft_n"] <= 4 * r["tokens"]
+    assert sum(r["draft_n"] for r in rows) > 0  # the random model repeats pieces: lookup drafts
+
+
+def test_prompt_lookup_counts_a_draft_accepted_up_to_its_first_miss():
+    from ssd_tools.bench.lcpp_lookup import CountingLookup
+
+    lookup = CountingLookup(max_ngram_size=2, num_pred_tokens=3)
+    # the sequence ... 7 8 9 ... 7 8: the draft copies what followed 7 8
+    assert list(lookup(np.array([5, 7, 8, 9, 4, 6, 7, 8], dtype=np.intc))) == [9, 4, 6] and lookup.drafted == 3
+    assert [lookup.accepted(t) for t in (9, 4, 2, 6)] == [True, True, False, False]  # 2: the target's own token
+    lookup(np.array([1, 2, 3], dtype=np.intc))  # no match: no draft
+    assert lookup.drafted == 3 and lookup.accepted(1) is False
 
 
 def test_greedy_ar_is_deterministic_and_its_row_reads_llamacpp_timings(binary, ggufs):

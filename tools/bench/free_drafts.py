@@ -8,7 +8,10 @@ Sides, all up at once on the same GGUF files and cores, each prompt sent to ever
                 free drafts: what the mix must not lose against)
   llama-ar      llama-server, the target alone on both cores
   llama-<type>  llama-server with a draft-free `--spec-type` (its n-gram speculation, flags as
-                llama.cpp's docs/speculative.md suggests)
+                llama.cpp's docs/speculative.md suggests: tools/bench/llamacpp.py's NGRAM_FLAGS)
+  lcpp-lookup-<n>  llama-cpp-python's prompt lookup (LlamaPromptLookupDecoding, num_pred_tokens n:
+                10 is the library's default, 2 its README's advice for CPU-only machines) on the
+                project's build of the library, a process of its own (tools/bench/lcpp_lookup.py)
 Workloads (tools/bench/workloads.py): edits (HumanEval code edits), agent (repeated tool-call
 tasks), mix (HumanEval / GSM8K / MT-Bench). Greedy, batch 1, --max-tokens (256) a request. Decode
 tokens/s is each side's own figure over the tokens after the first: llama.cpp's
@@ -26,19 +29,34 @@ import time
 from pathlib import Path
 
 from ssd_loadtest.traffic import body
-from ssd_tools.bench.llamacpp import LlamaServer, PeerConfig, build, command, gguf_by_role
+from ssd_tools.bench.lcpp_lookup import PromptLookupPeer
+from ssd_tools.bench.llamacpp import LLAMA_SIDES, LlamaServer, build, gguf_by_role, peer_config, start_peers
 from ssd_tools.bench.workloads import WORKLOADS
 from ssd_tools.runner import config_pair, generate, start_pair
 
 REPO = Path(__file__).resolve().parents[2]
-# llama-server's draft-free speculation, as llama.cpp's docs/speculative.md gives them
-NGRAM_PEERS = {
-    "llama-ngram-simple": ("--spec-type", "ngram-simple", "--spec-draft-n-max", "64"),
-    "llama-ngram-map-k": ("--spec-type", "ngram-map-k", "--spec-draft-n-max", "64"),
-    # "dense models: can reduce --spec-ngram-mod-n-min and --spec-ngram-mod-n-max"
-    "llama-ngram-mod": ("--spec-type", "ngram-mod", "--spec-ngram-mod-n-match", "24", "--spec-ngram-mod-n-min", "8",
-                        "--spec-ngram-mod-n-max", "32"),
-}
+LLAMA_DEFAULT = ("llama-ar", "llama-ngram-simple", "llama-ngram-map-k", "llama-ngram-mod")
+LOOKUP = "lcpp-lookup-"
+LOOKUP_DEFAULT = (f"{LOOKUP}10", f"{LOOKUP}2")
+
+
+def parse_sides(text: str) -> list[str]:
+    """``ours`` first, then the named sides in order; each one this bench knows how to run."""
+    sides = ["ours"] + list(dict.fromkeys(x for x in text.split(",") if x and x != "ours"))
+    for side in sides[1:]:
+        n = side.removeprefix(LOOKUP)
+        if side != "ours-nofree" and side not in LLAMA_SIDES and not (side.startswith(LOOKUP) and n.isdigit()
+                                                                       and int(n) > 0):
+            raise SystemExit(f"--sides: unknown side {side!r} (ours-nofree, {', '.join(LLAMA_SIDES)} or "
+                             f"{LOOKUP}<num_pred_tokens>)")
+    return sides
+
+
+def lookup_ctx(prompt_lens: list[int], max_tokens: int, pred_tokens: int) -> int:
+    """llama-cpp-python's context for the lookup peer: the longest prompt, its output and a last
+    draft fit (it keeps logits for every position of it), rounded up to 256."""
+    need = max(prompt_lens) + max_tokens + pred_tokens + 1
+    return -(-need // 256) * 256
 
 
 def ours(url: str, prompt: str, max_tokens: int, free: bool) -> dict:
@@ -56,6 +74,11 @@ def llama(srv: LlamaServer, ids: list[int], max_tokens: int) -> dict:
             "draft_n": t.get("draft_n"), "draft_n_accepted": t.get("draft_n_accepted")}
 
 
+def lookup(peer: PromptLookupPeer, ids: list[int], max_tokens: int) -> dict:
+    r = peer.complete(ids, max_tokens)
+    return {k: r[k] for k in ("ids", "tokens", "decode_tps", "draft_n", "draft_n_accepted")}
+
+
 def summarize(rows: list[dict], sides: list[str]) -> dict:
     out = {}
     for wl in dict.fromkeys(r["workload"] for r in rows):
@@ -71,11 +94,11 @@ def summarize(rows: list[dict], sides: list[str]) -> dict:
         for side in sides:
             rs = [r for r in rows if r["workload"] == wl and r["side"] == side]
             per[side]["same_ids_as_nofree"] = f"{sum(r['ids'] == ref.get(r['prompt']) for r in rs)}/{len(rs)}"
-        best_ngram = max((s for s in sides if s.startswith("llama-ngram")), key=lambda s: per[s]["decode_tps"],
-                         default=None)
+        best = {kind: max((s for s in sides if s.startswith(prefix)), key=lambda s: per[s]["decode_tps"], default=None)
+                for kind, prefix in (("best_ngram", "llama-ngram"), ("best_lookup", LOOKUP))}
         tps = {s: per[s]["decode_tps"] for s in sides}
         ratios = {f"ours/{s}": round(tps["ours"] / tps[s], 3) for s in sides if s != "ours" and tps[s]}
-        out[wl] = {"sides": per, "ratios": ratios, "best_ngram": best_ngram}
+        out[wl] = {"sides": per, "ratios": ratios, **best}
     return out
 
 
@@ -84,8 +107,9 @@ def main() -> None:
     ap.add_argument("--workloads", default="edits,agent,mix")
     ap.add_argument("--prompts", type=int, default=6, help="prompts a workload")
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--sides", default=",".join(["ours", "ours-nofree", "llama-ar", *NGRAM_PEERS]),
-                    help="which sides run (ours always does)")
+    ap.add_argument("--sides", default=",".join(["ours", "ours-nofree", *LLAMA_DEFAULT, *LOOKUP_DEFAULT]),
+                    help="which sides run (ours always does): ours-nofree, llama-<ar|ngram-...>, "
+                         f"{LOOKUP}<num_pred_tokens>")
     ap.add_argument("--config", type=Path, default=REPO / "engines/default.yaml")
     ap.add_argument("--engine-root", type=Path, default=REPO / "engines")
     ap.add_argument("--out", type=Path, default=REPO / "results/free_drafts")
@@ -95,31 +119,35 @@ def main() -> None:
 
     pair = config_pair(a.config, a.engine_root)
     codec = TextCodec(a.engine_root / pair.target)
-    target = gguf_by_role(a.config, a.engine_root)["target"]
-    wanted = ["ours"] + [x for x in a.sides.split(",") if x and x != "ours"]
-    peers = {name: PeerConfig(target, extra=NGRAM_PEERS.get(name, ()), label=name)
-             for name in wanted if name.startswith("llama-")}
+    sides = parse_sides(a.sides)
+    prompts = {wl: WORKLOADS[wl](a.prompts) for wl in a.workloads.split(",")}
+    ggufs = gguf_by_role(a.config, a.engine_root)
+    peers = {name: peer_config(name, ggufs) for name in sides if name.startswith("llama-")}
     binary = build() if peers else None
-    sides = wanted
+    n_ctx = lookup_ctx([len(codec.encode_prompt(p)) for ps in prompts.values() for p in ps], a.max_tokens,
+                       max([int(x.removeprefix(LOOKUP)) for x in sides if x.startswith(LOOKUP)], default=0))
     rows: list[dict] = []
     server = start_pair(pair, "free_drafts", "split")
     url = f"http://{server.http_url}"
     try:
         with contextlib.ExitStack() as stack:
-            srvs = {}
-            for name, cfg in peers.items():
-                print(f"[free] {name}: {' '.join(command(binary, cfg, 0))}", flush=True)
-                srvs[name] = stack.enter_context(LlamaServer(binary, cfg, a.out / f"{name}.log"))
+            srvs = start_peers(stack, binary, peers, a.out)
+            for name in sides:
+                if name.startswith(LOOKUP):
+                    srvs[name] = stack.enter_context(PromptLookupPeer(
+                        ggufs["target"], pred_tokens=int(name.removeprefix(LOOKUP)), n_ctx=n_ctx,
+                        log_file=a.out / f"{name}.log"))
             warm = "Say hello."
             for name, srv in srvs.items():
                 srv.complete(codec.encode_prompt(warm), 8)
             ours(url, warm, 8, True)
             run = {"ours": lambda p: ours(url, p, a.max_tokens, True),
                    "ours-nofree": lambda p: ours(url, p, a.max_tokens, False)}
-            run |= {name: (lambda p, s=srv: llama(s, codec.encode_prompt(p), a.max_tokens)) for name, srv in srvs.items()}
+            run |= {name: (lambda p, s=srv, f=lookup if name.startswith(LOOKUP) else llama:
+                           f(s, codec.encode_prompt(p), a.max_tokens)) for name, srv in srvs.items()}
             t0, n = time.time(), 0
-            for wl in a.workloads.split(","):
-                for i, prompt in enumerate(WORKLOADS[wl](a.prompts)):
+            for wl, wl_prompts in prompts.items():
+                for i, prompt in enumerate(wl_prompts):
                     order = sides[i % len(sides):] + sides[:i % len(sides)]
                     for side in order:
                         r = run[side](prompt)

@@ -6,6 +6,8 @@ to the cores our served default uses:
   ar    the target alone, ``threads`` threads
   spec  the target with llama.cpp's speculative decoding (``--spec-type draft-simple``, the drafter
         GGUF, ``n_draft`` drafts a round with no probability cut-off, ``threads`` + ``threads``)
+and, named by ``peer_config``, draft-free ``--spec-type`` servers (``NGRAM_FLAGS``: its n-gram
+speculation; tools/bench/free_drafts.py, tools/llamacpp/load_sweep.py, loadtest/peer_sweep.py).
 Every request sends the token ids our server decodes (the same chat template) to ``/completion``,
 greedy (top-k 1), without prompt caching; decode tokens/s is llama.cpp's own
 ``timings.predicted_per_second``: the tokens after the first (which the prefill's logits give) over
@@ -53,7 +55,7 @@ class PeerConfig:
     draft_threads: int = 2
     parallel: int = 1  # slots: concurrent requests the server decodes in one batch
     ctx_per_slot: int = 4096
-    extra: tuple[str, ...] = ()  # more flags (a draft-free --spec-type: tools/bench/free_drafts.py)
+    extra: tuple[str, ...] = ()  # more flags (a draft-free --spec-type: NGRAM_FLAGS)
     label: str = ""
 
     @property
@@ -71,6 +73,38 @@ def command(binary: Path, cfg: PeerConfig, port: int) -> list[str]:
                 "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "-td", str(cfg.draft_threads),
                 "-tbd", str(cfg.draft_threads)]
     return cmd + list(cfg.extra)
+
+
+# llama-server's draft-free speculation, flags as llama.cpp's docs/speculative.md gives them
+NGRAM_FLAGS = {
+    "ngram-simple": ("--spec-type", "ngram-simple", "--spec-draft-n-max", "64"),
+    "ngram-map-k": ("--spec-type", "ngram-map-k", "--spec-draft-n-max", "64"),
+    # "dense models: can reduce --spec-ngram-mod-n-min and --spec-ngram-mod-n-max"
+    "ngram-mod": ("--spec-type", "ngram-mod", "--spec-ngram-mod-n-match", "24", "--spec-ngram-mod-n-min", "8",
+                  "--spec-ngram-mod-n-max", "32"),
+}
+LLAMA_SIDES = ("llama-ar", *(f"llama-{t}" for t in NGRAM_FLAGS), "llama-spec")
+
+
+def peer_config(side: str, ggufs: dict[str, Path], **kw) -> PeerConfig:
+    """The server of one named side: ``llama-ar`` (the target alone), ``llama-<n-gram type>`` (a
+    draft-free --spec-type of NGRAM_FLAGS) or ``llama-spec`` (draft-simple on the drafter GGUF);
+    ``kw`` sets the rest of PeerConfig (parallel, cores, threads, ...)."""
+    if side not in LLAMA_SIDES:
+        raise ValueError(f"unknown llama-server side {side!r}: one of {', '.join(LLAMA_SIDES)}")
+    kind = side.removeprefix("llama-")
+    return PeerConfig(ggufs["target"], draft=ggufs["drafter"] if kind == "spec" else None,
+                      extra=NGRAM_FLAGS.get(kind, ()), label=side, **kw)
+
+
+def start_peers(stack, binary: Path, configs: dict[str, PeerConfig], log_dir: Path, tag: str = "") -> dict:
+    """One LlamaServer per named config, each entered on ``stack`` (an ExitStack: they stop with it),
+    its command printed and its log in ``log_dir``/<name><tag>.log."""
+    servers = {}
+    for name, cfg in configs.items():
+        print(f"[llama] {name}: {' '.join(command(binary, cfg, 0))}", flush=True)
+        servers[name] = stack.enter_context(LlamaServer(binary, cfg, log_dir / f"{name}{tag}.log"))
+    return servers
 
 
 def free_port() -> int:
@@ -189,15 +223,17 @@ def main() -> None:
     ap.add_argument("--config", type=Path, default=REPO / "engines/default.yaml")
     ap.add_argument("--engine-root", type=Path, default=REPO / "engines")
     ap.add_argument("--model", type=Path, help="a GGUF file (default: the config's target)")
-    ap.add_argument("--spec", action="store_true", help="with speculative decoding on the config's drafter")
+    ap.add_argument("--side", choices=LLAMA_SIDES, default="llama-ar",
+                    help="the target alone, with an n-gram --spec-type, or with the config's drafter (llama-spec)")
     ap.add_argument("--parallel", type=int, default=1, help="slots: requests decoded together")
     ap.add_argument("--cores", default="0,1")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--port", type=int, default=8090)
     a = ap.parse_args()
     ggufs = gguf_by_role(a.config, a.engine_root)
-    cfg = PeerConfig(a.model or ggufs["target"], draft=ggufs["drafter"] if a.spec else None, cores=a.cores,
-                     threads=a.threads, draft_threads=a.threads, parallel=a.parallel)
+    if a.model:
+        ggufs["target"] = a.model
+    cfg = peer_config(a.side, ggufs, cores=a.cores, threads=a.threads, draft_threads=a.threads, parallel=a.parallel)
     srv = LlamaServer(build(), cfg)
     srv.port, srv.url = a.port, f"http://127.0.0.1:{a.port}"
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a KeyboardInterrupt: the server stops too

@@ -7,7 +7,7 @@ the one our server applies). `cache_prompt` is on, llama-server's default: a slo
 the prompt prefix its last request shared (the chat template's system prompt), as our llama.cpp
 target keeps a released sequence's prefix. Start the server with as many slots as users:
 
-  python tools/bench/llamacpp.py serve --parallel 4 --port 8090 [--spec]
+  python tools/bench/llamacpp.py serve --parallel 4 --port 8090 [--side llama-ngram-mod]
   locust -f tools/llamacpp/llama_locustfile.py --headless -u 4 -r 4 -i 20 --host http://127.0.0.1:8090
 """
 from __future__ import annotations
