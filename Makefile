@@ -40,12 +40,14 @@ test: SETUP_ARGS = --dev
 test: $(DEV_STAMP)
 	$(PY) -m pytest -v -p no:cacheprovider tests
 
-# AR / SD / SSD served and in-process, the transformers peer, sweeps, plots (results/bench/report.md).
+# AR / SD / SSD served and in-process, the transformers peer, sweeps, plots (results/bench/report.md);
+# `make bench` then runs bench-free's three workloads (results/free_drafts/report.md).
 bench-quick: engines $(DEV_STAMP)
 	$(PY) tools/bench/run.py --preset quick
 
 bench: engines $(DEV_STAMP)
 	$(PY) tools/bench/run.py --preset full
+	$(PY) tools/bench/free_drafts.py --out results/free_drafts
 
 # free drafts (lookup rounds) on code edits, repeated agent tasks and the mix, against llama-server's
 # AR and n-gram speculation and llama-cpp-python's prompt lookup, side by side (results/free_drafts/report.md)
