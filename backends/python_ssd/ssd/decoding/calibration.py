@@ -75,7 +75,7 @@ async def calibrate(client, model: CostModel, wide_threads: int, max_batch: int,
     ``client`` needs ``call_many``, ``release_many`` and ``release`` (the coalescer is bypassed:
     these calls are not a round of the batch)."""
     greedy = SamplingParams(temperature=0.0)
-    measured = 0
+    measured, t_start = 0, time.perf_counter()
     for threads in (0, wide_threads) if wide_threads > 0 else (0,):
         curves = {"verify": model.target_wide if threads else model.target,
                   "draft": model.drafter_wide if threads else model.drafter}
@@ -105,6 +105,8 @@ async def calibrate(client, model: CostModel, wide_threads: int, max_batch: int,
         if prefill and not isinstance(prefill[0], Exception):
             model.catch_up_row_seconds[bool(threads)] = (time.perf_counter() - t0) / CATCH_UP_ROWS
             measured += 1
+    if trace:
+        trace({"ev": "calibrated", "forwards": measured, "s": round(time.perf_counter() - t_start, 3)})
     return measured
 
 
