@@ -211,11 +211,26 @@ def test_a_wide_curve_keeps_the_split_curves_shape_where_unmeasured():
     model.drafter = StepCost()
     model.drafter.observe(1, 0.005)  # cheap drafts: only the verify's price decides SD on every core
     assert abs(model.target_wide.along(model.target)(5) - 0.190 * 0.028 / 0.040) < 1e-9
-    assert model.target_wide.along(model.target)(1) == model.target_wide(1) == 0.028
+    assert abs(model.target_wide.along(model.target)(1) - 0.028) < 1e-12 and model.target_wide(1) == 0.028
     r = model.rates(1, 4, 8)
     assert r[Choice.AR_WIDE] > r[Choice.SD_WIDE]  # the flat guess would have priced SD's verify at 28 ms
     unmeasured = StepCost()
     assert unmeasured.along(model.target) is model.target
+
+
+def test_a_wide_curve_keeps_the_split_curves_step_between_its_measured_rows():
+    """Calibrated at a few batch sizes only, the wide curve prices a lookup's 17-row verify from
+    the split curve's shape between them: a forward dearer than 16 rows, as on one core."""
+    split, wide = StepCost(), StepCost()
+    for rows, sec in ((1, 0.040), (16, 0.220), (17, 0.260), (32, 0.440)):
+        split.observe(rows, sec, prior=True)
+    for rows, sec in ((1, 0.026), (32, 0.264)):
+        wide.observe(rows, sec, prior=True)
+    priced = wide.along(split)
+    assert abs(priced(32) - 0.264) < 1e-12
+    ratio17 = 0.65 + (0.6 - 0.65) * 16 / 31  # the wide/split ratio, 0.65 at 1 row and 0.6 at 32
+    assert abs(priced(17) - 0.260 * ratio17) < 1e-12
+    assert priced(17) - priced(16) > 0.5 * (0.260 - 0.220)  # the step, not a straight line
 
 
 def test_ssd_glue_pass_prices_only_rows_the_drafter_has_not_run():

@@ -7,10 +7,12 @@ and under a sudden load its first rounds pick from guesses (SSD rounds of severa
 users where an AR round takes half a second). So the first request first runs the shapes decoding
 runs and gives their timings to the curves as priors, which the rounds' own forwards replace
 (StepCost.observe). The target: b sequences of one row (AR steps) and of two rows (a verify), b up
-to the server's largest batch, and one sequence of the rows a verify of K drafts takes, K + 1 up
-to the longest draft (a lookup's 17 rows at lookup_max_k 16): llama.cpp runs a call's rows in
-forwards of up to 16 rows, so 17 rows cost a forward more than 16, a step no extrapolation finds.
-The drafter: b sequences of one row. Each on each layout.
+to the server's largest batch, on each layout, and on the split layout one sequence of the rows a
+verify of K drafts takes, K + 1 up to the longest draft (a lookup's 17 rows at lookup_max_k 16):
+llama.cpp runs a call's rows in forwards of up to 16 rows, so 17 rows cost a forward more than
+16, a step no extrapolation finds. The wide curve takes that shape from the split one
+(StepCost.along), which keeps the wide layout's share of the warmup to the batch sizes. The
+drafter: b sequences of one row, on each layout.
 
 How a shape is timed decides whether its price holds:
 - An engine's first forward on a layout pays what later ones do not (its OpenMP threads are
@@ -19,9 +21,11 @@ How a shape is timed decides whether its price holds:
   lookup's verify): right after the other engine's call, a wide forward shares its cores with
   that engine's OpenMP threads still spinning down (libgomp spins after a parallel region), a
   cost no AR round pays.
-- The shapes are run in REPEATS passes and each keeps its fastest run: a forward is slowed, never
-  sped up, by a one-off (a page fault, another process on the core), and passes apart in time
-  keep one burst of load from slowing every run of a shape.
+- The shapes are run in passes and each keeps its fastest run: a forward is slowed, never sped up,
+  by a one-off (a page fault, another process on the core), and passes apart in time keep one
+  burst of load from slowing every run of a shape. A shape is run again, up to MAX_PASSES, until
+  its two fastest runs agree within AGREE: on a quiet machine two passes, on a busy one as many as
+  it takes to see the steady cost twice.
 The sequences are one token long, so no prefill is timed, and are released at once. Apart from
 the curves, the drafter prefills one prompt of CATCH_UP_ROWS tokens on each layout: its seconds a
 row price the catch-up a drafting choice pays after AR rounds (Scheduler.after_catch_up).
@@ -35,7 +39,8 @@ from ..algorithm.sampling import SamplingParams
 from ..workers.protocol import DraftCall, VerifyCall
 
 TOKEN = 100  # any id every vocabulary has; costs do not depend on it
-REPEATS = 3  # passes over the shapes; each shape's fastest run is kept
+MIN_PASSES, MAX_PASSES = 2, 4  # runs of each shape; its fastest is kept
+AGREE = 0.10  # a shape is settled once its two fastest runs are this close
 CATCH_UP_ROWS = 64  # a short prompt's rows: the drafter's prefill cost a row
 
 
@@ -52,17 +57,19 @@ def batch_shapes(max_batch: int) -> list[tuple[int, int]]:
 
 def verify_rows(max_rows: int) -> list[int]:
     """One sequence's verify rows to measure: 2 and K + 1 for K = 4, 8, 16, ... below ``max_rows``,
-    and ``max_rows`` itself."""
+    and ``max_rows`` itself (none below 2)."""
+    if max_rows < 2:
+        return []
     out, k = [2], 4
     while k + 1 < max_rows:
         out.append(k + 1)
         k *= 2
-    return sorted(set(out + [max(max_rows, 2)]))
+    return sorted(set(out + [max_rows]))
 
 
 def target_shapes(max_batch: int, max_rows: int = 2) -> list[tuple[int, int]]:
     """The target's shapes: the batch sizes at one row, ``max_batch`` at two rows (a batch's
-    verify) and one sequence at each of ``verify_rows(max_rows)``."""
+    verify) and one sequence at each of ``verify_rows(max_rows)`` (0: none)."""
     one = [(1, r) for r in verify_rows(max_rows)]
     return batch_shapes(max_batch) + [(max_batch, 2)] + [s for s in one if s != (max_batch, 2)]
 
@@ -79,12 +86,13 @@ async def calibrate(client, model: CostModel, wide_threads: int, max_batch: int,
     for threads in (0, wide_threads) if wide_threads > 0 else (0,):
         curves = {"verify": model.target_wide if threads else model.target,
                   "draft": model.drafter_wide if threads else model.drafter}
-        for kind, shapes in (("verify", target_shapes(max(1, max_batch), max_rows)),
+        for kind, shapes in (("verify", target_shapes(max(1, max_batch), 0 if threads else max_rows)),
                              ("draft", batch_shapes(max(1, max_batch)))):
             await _run(client, kind, threads, 1, 1, "warm", greedy)  # dropped: the layout's first forward
             runs: dict[tuple[int, int], list] = {s: [] for s in shapes}
-            for rep in range(REPEATS):
-                for b, rows in shapes:
+            for rep in range(MAX_PASSES):
+                todo = [s for s in shapes if rep < MIN_PASSES or not _settled(runs[s])]
+                for b, rows in todo:
                     timing = await _run(client, kind, threads, b, rows, rep, greedy)
                     if timing:
                         runs[(b, rows)].append(timing)
@@ -108,6 +116,14 @@ async def calibrate(client, model: CostModel, wide_threads: int, max_batch: int,
     if trace:
         trace({"ev": "calibrated", "forwards": measured, "s": round(time.perf_counter() - t_start, 3)})
     return measured
+
+
+def _settled(timings: list) -> bool:
+    """Whether a shape's two fastest runs agree within AGREE (or it has failed every run)."""
+    if not timings:
+        return True
+    t = sorted(sum(s for _, s in run) for run in timings)
+    return len(t) >= 2 and t[1] <= t[0] * (1 + AGREE)
 
 
 async def _run(client, kind: str, threads: int, b: int, rows: int, rep, greedy) -> list | None:
