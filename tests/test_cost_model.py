@@ -21,8 +21,8 @@ def test_step_cost_is_flat_then_linear():
     assert cost(2) == 0.1  # below every measurement: weight-bound, flat
     assert abs(cost(68) - 0.55) < 1e-9  # between: linear interpolation
     assert abs(cost(256) - (1.0 + 0.9 / 120 * 128)) < 1e-9  # beyond: the last segment's cost per row
-    cost.observe(9, 0.3)  # same bucket as 8: a running mean, not a new point
-    assert len(cost.buckets) == 2 and 0.1 < cost(8.2) < 0.3
+    cost.observe(8, 0.3)  # the same rows: a running mean, not a new point
+    assert len(cost.buckets) == 2 and abs(cost(8) - 0.2) < 1e-9
     flat = StepCost()  # a bf16 engine: small forwards cost about one row
     flat.observe(1, 0.089)
     flat.observe(2, 0.089)
@@ -31,6 +31,45 @@ def test_step_cost_is_flat_then_linear():
     rowwise.observe(1, 0.027)
     rowwise.observe(5, 0.107)
     assert abs(rowwise(80) - (0.107 + 0.02 * 75)) < 1e-9  # 16 sequences x 5 verify rows: linear
+
+
+def test_a_rounds_forwards_replace_the_calibrations_prior_at_once():
+    """A calibration sample taken while the machine was busy prices one row at 87 ms; the rounds
+    measure 28 ms. The first round's sample replaces the prior (an average with it would keep
+    the price twice too high for rounds on end), then the rounds' samples are averaged."""
+    cost = StepCost()
+    cost.observe(1, 0.087, prior=True)
+    cost.observe(5, 0.110, prior=True)
+    assert abs(cost(1) - 0.087) < 1e-9
+    cost.observe(1, 0.028)
+    assert abs(cost(1) - 0.028) < 1e-9
+    cost.observe(1, 0.032)
+    assert abs(cost(1) - 0.030) < 1e-9  # two round samples: their mean
+    assert abs(cost(5) - 0.110) < 1e-9  # a bucket no round measured keeps its prior
+
+
+def test_a_forward_of_fewer_rows_costs_no_more_than_a_measured_larger_one():
+    """A stale one-row price (a prior from a busy start) is capped by what a larger forward
+    measured since: SD@wide rounds verifying 5 rows in 35 ms price an AR@wide step at 35 ms at
+    most, not at the prior's 87 ms, before any AR@wide round ran."""
+    model = CostModel()
+    model.target.observe(1, 0.045, prior=True)
+    model.drafter.observe(1, 0.010, prior=True)
+    model.target_wide.observe(1, 0.087, prior=True)
+    assert abs(model.rates(1, 4, 8)[Choice.AR_WIDE] - 1 / 0.087) < 1e-6
+    model.target_wide.observe(5, 0.035)
+    assert abs(model.rates(1, 4, 8)[Choice.AR_WIDE] - 1 / 0.035) < 1e-6
+    assert abs(model.target_wide(3) - 0.035) < 1e-9  # between them: no dearer than the larger either
+
+
+def test_sixteen_and_seventeen_rows_are_two_points_of_the_curve():
+    """llama.cpp runs a call's rows in forwards of up to 16: 17 rows cost a forward more, a step
+    the curve keeps (a bucket is an eighth of an octave)."""
+    cost = StepCost()
+    for rows, sec in ((1, 0.04), (16, 0.19), (17, 0.23)):
+        cost.observe(rows, sec)
+    assert len(cost.buckets) == 3
+    assert abs(cost(16) - 0.19) < 1e-9 and abs(cost(17) - 0.23) < 1e-9
 
 
 def test_ssd_steps_aside_as_the_batch_grows():
@@ -172,11 +211,26 @@ def test_a_wide_curve_keeps_the_split_curves_shape_where_unmeasured():
     model.drafter = StepCost()
     model.drafter.observe(1, 0.005)  # cheap drafts: only the verify's price decides SD on every core
     assert abs(model.target_wide.along(model.target)(5) - 0.190 * 0.028 / 0.040) < 1e-9
-    assert model.target_wide.along(model.target)(1) == model.target_wide(1) == 0.028
+    assert abs(model.target_wide.along(model.target)(1) - 0.028) < 1e-12 and model.target_wide(1) == 0.028
     r = model.rates(1, 4, 8)
     assert r[Choice.AR_WIDE] > r[Choice.SD_WIDE]  # the flat guess would have priced SD's verify at 28 ms
     unmeasured = StepCost()
     assert unmeasured.along(model.target) is model.target
+
+
+def test_a_wide_curve_keeps_the_split_curves_step_between_its_measured_rows():
+    """Calibrated at a few batch sizes only, the wide curve prices a lookup's 17-row verify from
+    the split curve's shape between them: a forward dearer than 16 rows, as on one core."""
+    split, wide = StepCost(), StepCost()
+    for rows, sec in ((1, 0.040), (16, 0.220), (17, 0.260), (32, 0.440)):
+        split.observe(rows, sec, prior=True)
+    for rows, sec in ((1, 0.026), (32, 0.264)):
+        wide.observe(rows, sec, prior=True)
+    priced = wide.along(split)
+    assert abs(priced(32) - 0.264) < 1e-12
+    ratio17 = 0.65 + (0.6 - 0.65) * 16 / 31  # the wide/split ratio, 0.65 at 1 row and 0.6 at 32
+    assert abs(priced(17) - 0.260 * ratio17) < 1e-12
+    assert priced(17) - priced(16) > 0.5 * (0.260 - 0.220)  # the step, not a straight line
 
 
 def test_ssd_glue_pass_prices_only_rows_the_drafter_has_not_run():

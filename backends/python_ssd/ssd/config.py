@@ -174,6 +174,12 @@ class ServerConfig:
                             fanout_shape=self.fanout_shape, saguaro_c=self.saguaro_c, backup=self.backup,
                             step_aside=self.step_aside, adaptive_k=self.adaptive_k, free_drafts=self.free_drafts)
 
+    def longest_verify_rows(self) -> int:
+        """The most rows one sequence's verify takes: K + 1 for the longest K a request may ask for
+        or, with free drafts, a lookup may draft, within ``max_verify_rows``."""
+        k = max(K_MAX, self.lookup_max_k if self.free_drafts else 0)
+        return min(k + 1, self.max_verify_rows) if self.max_verify_rows else k + 1
+
     def validate(self) -> None:
         names = {"mode": "default_mode"}
         self.decode_defaults().validate(lambda n: f"parameter '{names.get(n, n)}'")

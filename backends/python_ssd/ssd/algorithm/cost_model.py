@@ -38,30 +38,53 @@ from .rounds import Choice, RoundRecord
 
 @dataclass
 class StepCost:
-    """One engine's seconds per forward as a function of rows: per-bucket (powers of two) running
-    means joined piecewise-linearly, and past the largest measured bucket continued at the last
-    segment's marginal cost per row. A forward is flat while it reads weights and linear once it
-    computes (an exact 4-bit target computes from the first row on), which is all it takes to
-    compare choices that put different rows through one engine. With one bucket measured, it is
-    taken as flat up to ``flat_rows``."""
+    """One engine's seconds per forward as a function of rows: per-bucket running means joined
+    piecewise-linearly, and past the largest measured bucket continued at the last segment's
+    marginal cost per row. A forward is flat while it reads weights and linear once it computes (an
+    exact 4-bit target computes from the first row on), which is all it takes to compare choices
+    that put different rows through one engine. With one bucket measured, it is taken as flat up
+    to ``flat_rows``.
+
+    A bucket spans an eighth of an octave of rows: an engine's cost steps where its rows pass a
+    kernel's tile (llama.cpp runs a call's rows in forwards of up to 16), and 16 and 17 rows must
+    stay two points. A forward of fewer rows is priced at no more than any measured forward of more
+    rows (the curve is the suffix minimum of its points): a price that a larger forward measured
+    in the rounds undercuts is stale, whatever measured it. Measurements come as priors (the
+    calibration's, before any round) or from rounds: a bucket's first round sample replaces its
+    prior, then its mean runs over the first 1/alpha samples and moves by alpha after."""
 
     flat_rows: int = 32  # rows a forward may hold at one row's cost when nothing larger was measured
     alpha: float = 0.2
-    buckets: dict[int, list[float]] = field(default_factory=dict)  # log2 bucket -> [mean rows, mean s]
+    # bucket -> [mean rows, mean seconds, rounds' samples (0: a prior)]
+    buckets: dict[int, list[float]] = field(default_factory=dict)
 
-    def observe(self, rows: int, seconds: float) -> None:
+    def observe(self, rows: int, seconds: float, prior: bool = False) -> None:
         if rows <= 0 or seconds <= 0:
             return
-        b = self.buckets.setdefault(round(math.log2(rows)), [float(rows), float(seconds)])
-        b[0] += self.alpha * (rows - b[0])
-        b[1] += self.alpha * (seconds - b[1])
+        key = round(8 * math.log2(rows))
+        b = self.buckets.get(key)
+        if b is None or (b[2] == 0 and not prior):  # new, or a prior a round now measures: replaced
+            self.buckets[key] = [float(rows), float(seconds), 0 if prior else 1]
+            return
+        if not prior:
+            b[2] += 1
+        a = max(self.alpha, 1.0 / b[2]) if b[2] else self.alpha
+        b[0] += a * (rows - b[0])
+        b[1] += a * (seconds - b[1])
+
+    def points(self) -> list[tuple[float, float]]:
+        """(rows, seconds) of the buckets by rows, each no dearer than any point of more rows."""
+        pts = sorted((b[0], b[1]) for b in self.buckets.values())
+        for i in range(len(pts) - 2, -1, -1):
+            pts[i] = (pts[i][0], min(pts[i][1], pts[i + 1][1]))
+        return pts
 
     @property
     def known(self) -> bool:
         return bool(self.buckets)
 
     def __call__(self, rows: float) -> float:
-        pts = sorted(tuple(b) for b in self.buckets.values())
+        pts = self.points()
         if not pts or rows <= 0:
             return 0.0
         if rows <= pts[0][0]:
@@ -76,19 +99,25 @@ class StepCost:
         return s * max(1.0, rows / max(r, self.flat_rows))
 
     def along(self, shape: "StepCost"):
-        """This curve where measured; beyond its measured rows, ``shape``'s curve scaled to meet it
-        at the nearest measured forward. The same engine on more cores keeps its cost's shape in
-        rows: a wide curve that has seen only one-row steps prices a verify from the split curve's
-        verify, not at one row's cost. Unmeasured: ``shape`` itself."""
+        """This curve at its measured rows; elsewhere ``shape``'s curve times this curve's ratio to
+        it at the nearest measured rows (between two, the ratio interpolated). The same engine on
+        more cores keeps its cost's shape in rows: a wide curve that has seen only one-row steps
+        prices a verify from the split curve's verify, not at one row's cost, and one measured at a
+        few batch sizes keeps the split curve's steps between them (17 rows a forward dearer than
+        16). Unmeasured: ``shape`` itself."""
         if not self.known:
             return shape
-        lo, hi = min(b[0] for b in self.buckets.values()), max(b[0] for b in self.buckets.values())
+        if not shape.known:
+            return self
+        ratios = [(r, s / shape(r)) for r, s in self.points() if shape(r) > 0]
 
         def cost(rows: float) -> float:
-            edge = min(max(rows, lo), hi)
-            if edge == rows or not shape.known or shape(edge) <= 0:
-                return self(rows)
-            return self(edge) * shape(rows) / shape(edge)
+            if rows <= ratios[0][0]:
+                return shape(rows) * ratios[0][1]
+            for (r0, k0), (r1, k1) in zip(ratios, ratios[1:]):
+                if rows <= r1:
+                    return shape(rows) * (k0 + (k1 - k0) * (rows - r0) / (r1 - r0))
+            return shape(rows) * ratios[-1][1]
         return cost
 
 

@@ -7,8 +7,8 @@ later greedy token are the target's own; they differ only in where the drafts co
 - ssd: verify(round T) and speculate(round T+1 for likely outcomes) run at the same time in two
        processes; a cache hit starts the next round at once, a miss calls a backup (neural drafter
        or n-gram) chosen by the scheduler for the current batch size.
-- lookup: SD whose drafts are free (algorithm/free_draft.py: the sequence's own text and the
-       suffix cache of earlier requests), verified by the target alone; a round of an ssd request.
+- lookup: SD whose drafts are free (free_drafts.py: the sequence's own text and the suffix cache
+       of earlier requests), verified by the target alone; a round of an ssd request.
 One loop runs them all, as gpt-fast's speculative loop does: decide, draft, verify, accept, record.
 Each round asks the scheduler what to run (a request in mode "ssd" with step_aside lets it pick
 SSD, SD or AR per round; "ar" and "sd" requests are pinned) and hands one RoundRecord to the
@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Protocol
 
 from ..algorithm.fanout import FanoutEstimator, allocate
-from ..algorithm.free_draft import FreeDrafter
-from ..algorithm.lookup_estimate import LookupEstimate, LookupOutlook
+from ..algorithm.lookup_estimate import LookupOutlook
 from ..algorithm.ngram import propose
 from ..algorithm.rounds import Choice, Learner, RoundRecord
 from ..algorithm.sampling import SamplingParams
@@ -34,6 +33,7 @@ from ..algorithm.suffix_cache import SuffixCache
 from ..config import DecodeConfig
 from ..workers.protocol import (DraftCall, DraftResult, FetchCall, SpeculateCall, SpeculateResult,
                                 VerifyCall, VerifyResult)
+from .free_drafts import LookupRounds, agreeing
 
 class WorkerClient(Protocol):
     async def verify(self, call: VerifyCall) -> VerifyResult: ...
@@ -137,8 +137,7 @@ class Generation:
         self.drafter_len = 0  # tokens of this sequence the drafter's cache holds
         self.threads = 0  # this round's layout (VerifyCall.threads): 0 split, else wide
         self.sequence = list(prompt)  # prompt and output so far: what the suffix cache keeps at the end
-        self.free = FreeDrafter(self.shared.suffix_cache)
-        self.lookup = LookupEstimate()
+        self.lookup = LookupRounds(self.shared.suffix_cache, self.shared.lookup_max_k)
 
     def _verify(self, prefix, draft, probs=None, steps: int = 1) -> VerifyCall:
         return VerifyCall(self.seq_id, prefix, draft, self.params, self.seed, self.round, probs, self.threads, steps)
@@ -156,7 +155,7 @@ class Generation:
     async def run(self) -> AsyncIterator[list[int]]:
         """Yields the target's tokens, a block per round. The caller stops iterating when done."""
         self.shared.add_active(1)
-        self.shared.lookup[self.seq_id] = self.lookup
+        self.shared.lookup[self.seq_id] = self.lookup.estimate
         try:
             t0 = time.perf_counter()
             first = await self._prefill()
@@ -211,7 +210,7 @@ class Generation:
             r, t_verify, spec, t_spec = await self._verify_round(d, prefix, draft, fanout, steps)
             block = draft.tokens[:r.accepted] + r.decoded + [r.token]
             hit = (r.accepted, r.token) in spec.branches if spec is not None else None
-            longest = self._score_free_draft(prefix, block)
+            longest = self.lookup.score(prefix, block) if self.shared.free_drafts else []
             # what the fast backup would have drafted (_fast_draft), scored for free
             guess = (longest[:self.k] if self.cfg.free_drafts else []) or propose(prefix, self.k)
             rec = RoundRecord(
@@ -222,7 +221,7 @@ class Generation:
                 drafter_timing=tuple(map(tuple, list(draft.timing) + list(spec.timing if spec else []))),
                 verify_seconds=t_verify, speculate_seconds=t_spec, draft_seconds=t_draft,
                 prompt_seconds=min(r.prompt_seconds, t_verify), predicted_rate=d.prior.get(d.choice, 0.0),
-                ngram_accepted=_agreeing(guess, block), ngram_drafted=max(len(guess), 1),
+                ngram_accepted=agreeing(guess, block), ngram_drafted=max(len(guess), 1),
                 fanout_at_outcome=fanout[r.accepted] if spec is not None and r.accepted < len(fanout) else 0,
                 after_switch=self.last_choice is not None and self.last_choice != d.choice
                 and not self.last_choice.switch_is_free(d.choice))
@@ -239,16 +238,6 @@ class Generation:
         owed = length - self.drafter_len if self.drafter_ok and self.cfg.mode != "ar" else 0
         left = self.max_tokens - self.stats.new_tokens if self.max_tokens else UNBOUNDED_TOKENS_LEFT
         self.shared.backlog[self.seq_id] = (owed, max(left, 1))
-
-    def _score_free_draft(self, prefix: list[int], block: list[int]) -> list[int]:
-        """Scores the free draft this round could have had (its longest) against the round's tokens,
-        whatever the round ran: the request's lookup estimate follows its text (lookup_estimate.py).
-        Returns that draft (empty where the server has no free drafts); a shorter K's is its start."""
-        if not self.shared.free_drafts:
-            return []
-        longest = self.free.propose(prefix, self.shared.lookup_max_k)
-        self.lookup.score(longest, block)
-        return longest
 
     def _free_drafts(self) -> bool:
         """Whether this request drafts from seen text: the server offers it and the request did not
@@ -270,8 +259,7 @@ class Generation:
         d = pol.choose(active, k_max, budget, allowed, self.seq_id, adaptive_k=adaptive, owed_rows=owed,
                        tokens_left=left, lookup=outlook)
         if d.mode == "lookup":  # free drafts run their own K, up to what the verify keeps exact
-            outlook = outlook or self.shared.lookup_outlook()
-            self.k = min(d.ks.get(d.choice) or pol.model.lookup_k(active, outlook, d.choice.wide), outlook.k_max)
+            self.k = LookupRounds.k(d, pol.model, active, outlook or self.shared.lookup_outlook())
         else:
             self.k = min(d.ks.get(d.choice, k_max), k_max) if adaptive else k_max
         self.threads = self._threads(d.choice)
@@ -293,10 +281,9 @@ class Generation:
         the SSD backup's."""
         if d.mode == "ar":
             return DraftResult([], None), "none", 0.0
-        if d.mode == "lookup":  # deterministic: the verifier's q is one-hot
-            t0 = time.perf_counter()
-            draft = DraftResult(self.free.propose(prefix, self.k), None)
-            return draft, "lookup", time.perf_counter() - t0
+        if d.mode == "lookup":
+            draft, seconds = self.lookup.draft(prefix, self.k)
+            return draft, "lookup", seconds
         if cached is not None:
             return _truncate(cached, self.k), "cache", 0.0
         t0 = time.perf_counter()
@@ -381,7 +368,7 @@ class Generation:
         every outcome costs nothing), else the n-gram worker's prompt lookup. Both are
         deterministic: the verifier's q is one-hot."""
         if self._free_drafts():
-            own = self.free.propose(prefix, self.k)
+            own = self.lookup.free.propose(prefix, self.k)
             if own:
                 return DraftResult(own, None)
         try:
@@ -398,7 +385,3 @@ class Generation:
             self._degrade("draft", e)
             return await self._fast_draft(prefix), "fast"
 
-
-def _agreeing(guess: list[int], block: list[int]) -> int:
-    """How many of ``guess``'s tokens the target would have accepted, given the round's ``block``."""
-    return next((i for i, (a, b) in enumerate(zip(guess, block)) if a != b), min(len(guess), len(block) - 1))

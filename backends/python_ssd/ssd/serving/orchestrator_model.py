@@ -247,7 +247,8 @@ class OrchestratorModel:
         if self.cfg.force_mode:
             return True
         try:
-            await calibrate(self.client, self.shared.policy.model, self.cfg.wide_threads, batch)
+            await calibrate(self.client, self.shared.policy.model, self.cfg.wide_threads, batch,
+                            self.cfg.longest_verify_rows(), self.shared.policy.trace)
         except Exception as e:  # noqa: BLE001 - the curves are then learned from the rounds alone
             print(f"ssd: measuring the engines' costs failed ({type(e).__name__}: {e}); the scheduler "
                   "learns them from the rounds", file=sys.stderr, flush=True)
