@@ -82,8 +82,8 @@ def test_bench_free_names_the_lookup_peer_by_its_draft_length():
         with pytest.raises(SystemExit, match="--sides"):
             free_drafts.parse_sides(bad)
     # the longest prompt (700) + 256 tokens + a last draft of 10 + the next token: 967, in 256s
-    assert free_drafts.lookup_ctx([300, 700], 256, 10) == 1280
-    assert free_drafts.lookup_ctx([1], 254, 0) == 512 and free_drafts.lookup_ctx([1], 255, 0) == 768
+    assert free_drafts.lookup_ctx([300, 700], 256, 10) == 1024
+    assert free_drafts.lookup_ctx([1], 254, 0) == 256 and free_drafts.lookup_ctx([1], 255, 0) == 512
 
 
 def test_bench_free_sums_decode_seconds_and_names_the_best_ngram_and_lookup_peers():

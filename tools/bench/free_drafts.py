@@ -52,16 +52,10 @@ def parse_sides(text: str) -> list[str]:
     return sides
 
 
-# llama-cpp-python's generate runs ahead of its caller's count of tokens (drafts evaluated before
-# the caller stops it), and a context it overruns fails in Llama.eval (an agent prompt did)
-LOOKUP_CTX_MARGIN = 256
-
-
 def lookup_ctx(prompt_lens: list[int], max_tokens: int, pred_tokens: int) -> int:
     """llama-cpp-python's context for the lookup peer: the longest prompt, its output and a last
-    draft fit (it keeps logits for every position of it), with LOOKUP_CTX_MARGIN more, rounded up
-    to 256."""
-    need = max(prompt_lens) + max_tokens + pred_tokens + 1 + LOOKUP_CTX_MARGIN
+    draft fit (it keeps logits for every position of it), rounded up to 256."""
+    need = max(prompt_lens) + max_tokens + pred_tokens + 1
     return -(-need // 256) * 256
 
 
