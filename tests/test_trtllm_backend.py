@@ -52,19 +52,24 @@ def test_gpu_configs_match_their_golden_files(spec) -> None:
         assert text == golden[name], name
 
 
-def test_the_drafter_is_a_tensorrtllm_backend_model_beside_the_tree_drafter() -> None:
-    configs = render("gpu_trtllm_backend")
-    drafter = configs["drafter_trtllm"]
+def assert_backend_model(config: str, engine: str, kv_fraction: str, gpus: str) -> None:
+    """A rendered `tensorrtllm` model: the backend's template fields and tensors, its engine, KV
+    share and GPUs."""
     for line in ('backend: "tensorrtllm"', "model_transaction_policy { decoupled: true }",
                  'key: "gpt_model_type" value: { string_value: "inflight_fused_batching" }',
-                 'key: "gpt_model_path" value: { string_value: "/opt/ssd/engines/trtllm/qwen2.5-coder-0.5b" }',
+                 f'key: "gpt_model_path" value: {{ string_value: "/opt/ssd/engines/trtllm/{engine}" }}',
                  'key: "max_beam_width" value: { string_value: "1" }',
                  'key: "enable_kv_cache_reuse" value: { string_value: "true" }',
-                 'key: "kv_cache_free_gpu_mem_fraction" value: { string_value: "0.3" }',
-                 'key: "gpu_device_ids" value: { string_value: "4" }'):
-        assert line in drafter, line
+                 f'key: "kv_cache_free_gpu_mem_fraction" value: {{ string_value: "{kv_fraction}" }}',
+                 f'key: "gpu_device_ids" value: {{ string_value: "{gpus}" }}'):
+        assert line in config, line
     for name, dtype in TEMPLATE_DTYPES.items():
-        assert f'name: "{name}" data_type: {dtype} ' in drafter, name
+        assert f'name: "{name}" data_type: {dtype} ' in config, name
+
+
+def test_the_drafter_is_a_tensorrtllm_backend_model_beside_the_tree_drafter() -> None:
+    configs = render("gpu_trtllm_backend")
+    assert_backend_model(configs["drafter_trtllm"], "qwen2.5-coder-0.5b", "0.3", "4")
     ssd = configs["ssd"]
     assert 'key: "drafter_backend" value: { string_value: "tensorrtllm" }' in ssd
     assert 'key: "drafter_model" value: { string_value: "drafter_trtllm" }' in ssd
@@ -74,17 +79,8 @@ def test_the_drafter_is_a_tensorrtllm_backend_model_beside_the_tree_drafter() ->
 
 def test_the_target_is_a_tensorrtllm_backend_model() -> None:
     target = render("gpu_trtllm_backend")["target"]
-    for line in ('backend: "tensorrtllm"', "model_transaction_policy { decoupled: true }",
-                 'key: "gpt_model_type" value: { string_value: "inflight_fused_batching" }',
-                 'key: "gpt_model_path" value: { string_value: "/opt/ssd/engines/trtllm/qwen2.5-coder-1.5b" }',
-                 'key: "max_beam_width" value: { string_value: "1" }',
-                 'key: "enable_kv_cache_reuse" value: { string_value: "true" }',
-                 'key: "kv_cache_free_gpu_mem_fraction" value: { string_value: "0.5" }',
-                 'key: "gpu_device_ids" value: { string_value: "0,1,2,3" }',
-                 "instance_group [ { kind: KIND_CPU count: 1 } ]"):
-        assert line in target, line
-    for name, dtype in TEMPLATE_DTYPES.items():
-        assert f'name: "{name}" data_type: {dtype} ' in target, name
+    assert_backend_model(target, "qwen2.5-coder-1.5b", "0.5", "0,1,2,3")
+    assert "instance_group [ { kind: KIND_CPU count: 1 } ]" in target
     ssd = render("gpu_trtllm_backend")["ssd"]
     assert 'key: "target_backend" value: { string_value: "tensorrtllm" }' in ssd
 
