@@ -25,11 +25,24 @@ class LookupRounds:
         self.free = FreeDrafter(suffix_cache)
         self.estimate = LookupEstimate()
         self.max_k = max_k
+        self._longest: tuple[int, list[int]] = (-1, [])  # (sequence length, its longest draft)
+
+    def longest(self, prefix: list[int]) -> list[int]:
+        """The longest free draft continuing ``prefix``, proposed once per sequence length (the
+        sequence only grows); a shorter K's draft is its start, so a round's draft, its scoring and
+        the fast backup share one proposal."""
+        if self._longest[0] != len(prefix):
+            self._longest = (len(prefix), self.free.propose(prefix, self.max_k))
+        return self._longest[1]
+
+    def up_to(self, prefix: list[int], k: int) -> list[int]:
+        """A free draft of at most ``k`` tokens: the start of the longest one where it reaches ``k``."""
+        return self.longest(prefix)[:max(k, 0)] if k <= self.max_k else self.free.propose(prefix, k)
 
     def score(self, prefix: list[int], block: list[int]) -> list[int]:
         """Scores the free draft this round could have had (its longest) against the round's tokens;
-        returns it (a shorter K's draft is its start: the fast backup's guess)."""
-        longest = self.free.propose(prefix, self.max_k)
+        returns it (the fast backup's guess is its start)."""
+        longest = self.longest(prefix)
         self.estimate.score(longest, block)
         return longest
 
@@ -43,7 +56,7 @@ class LookupRounds:
     def draft(self, prefix: list[int], k: int) -> tuple[DraftResult, float]:
         """The round's draft (deterministic: the verifier's q is one-hot) and its seconds."""
         t0 = time.perf_counter()
-        draft = DraftResult(self.free.propose(prefix, k), None)
+        draft = DraftResult(self.up_to(prefix, k), None)
         return draft, time.perf_counter() - t0
 
 

@@ -368,7 +368,7 @@ class Generation:
         every outcome costs nothing), else the n-gram worker's prompt lookup. Both are
         deterministic: the verifier's q is one-hot."""
         if self._free_drafts():
-            own = self.lookup.free.propose(prefix, self.k)
+            own = self.lookup.up_to(prefix, self.k)
             if own:
                 return DraftResult(own, None)
         try:
