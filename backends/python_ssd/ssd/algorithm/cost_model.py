@@ -46,7 +46,7 @@ class StepCost:
     to ``flat_rows``.
 
     A bucket spans an eighth of an octave of rows: an engine's cost steps where its rows pass a
-    kernel's tile (llama.cpp runs a call's rows in forwards of up to 16), and 16 and 17 rows must
+    kernel's tile (llama.cpp runs a call's rows in forwards of up to 32), and 32 and 33 rows must
     stay two points. A forward of fewer rows is priced at no more than any measured forward of more
     rows (the curve is the suffix minimum of its points): a price that a larger forward measured
     in the rounds undercuts is stale, whatever measured it. Measurements come as priors (the
@@ -103,7 +103,7 @@ class StepCost:
         it at the nearest measured rows (between two, the ratio interpolated). The same engine on
         more cores keeps its cost's shape in rows: a wide curve that has seen only one-row steps
         prices a verify from the split curve's verify, not at one row's cost, and one measured at a
-        few batch sizes keeps the split curve's steps between them (17 rows a forward dearer than
+        few batch sizes keeps the split curve's steps between them (33 rows a forward dearer than
         16). Unmeasured: ``shape`` itself."""
         if not self.known:
             return shape

@@ -47,7 +47,7 @@ class LookupOutlook:
     alpha: float = 0.0
     p_draft: float = 0.0
     length: float = 0.0
-    k_max: int = 15  # the longest draft a round may verify (ServerConfig.lookup_max_k, the verify's rows)
+    k_max: int = 31  # the longest draft a round may verify (ServerConfig.lookup_max_k, the verify's rows)
 
     def drafted(self, k: int) -> float:
         return min(float(k), self.length)

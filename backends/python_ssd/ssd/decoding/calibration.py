@@ -8,9 +8,9 @@ users where an AR round takes half a second). So the first request first runs th
 runs and gives their timings to the curves as priors, which the rounds' own forwards replace
 (StepCost.observe). The target: b sequences of one row (AR steps) and of two rows (a verify), b up
 to the server's largest batch, on each layout, and on the split layout one sequence of the rows a
-verify of K drafts takes, K + 1 up to the longest draft (a lookup's 17 rows at lookup_max_k 16):
-llama.cpp runs a call's rows in forwards of up to 16 rows, so 17 rows cost a forward more than
-16, a step no extrapolation finds. The wide curve takes that shape from the split one
+verify of K drafts takes, K + 1 up to the longest draft (a lookup's 32 rows at lookup_max_k 31):
+llama.cpp runs a call's rows in forwards of up to its logit_rows (32, or 16 where the larger
+forward's check fails), so a verify past them costs a forward more, a step no extrapolation finds. The wide curve takes that shape from the split one
 (StepCost.along), which keeps the wide layout's share of the warmup to the batch sizes. The
 drafter: b sequences of one row, on each layout.
 

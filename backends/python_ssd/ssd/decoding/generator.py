@@ -69,7 +69,7 @@ class SharedState:
     # free drafts (lookup rounds) offered to ssd requests, their longest draft, and the suffix cache
     # of earlier requests' text they also draft from (None: each request's own text only)
     free_drafts: bool = False
-    lookup_max_k: int = 15
+    lookup_max_k: int = 31
     suffix_cache: SuffixCache | None = None
     # per decoding sequence: how its free drafts fare (the lookup rounds' price is per request)
     lookup: dict = field(default_factory=dict)

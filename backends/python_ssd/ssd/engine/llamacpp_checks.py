@@ -13,13 +13,18 @@ import torch
 
 from .engine import ExtendCall
 
-# the most logit rows a forward may hold: 16 rows cost 5-8 one-row steps; below the tiled kernels (8);
-# below an unpatched build's 4-row GEMM (4)
-LOGIT_ROW_CHOICES = (16, 7, 3, 1)
+# the most logit rows a forward may hold: 32 rows cost 4-5 one-row steps (a lookup's verify of 31
+# drafts); 16, 5-8; below the tiled kernels (8); below an unpatched build's 4-row GEMM (4)
+LOGIT_ROW_CHOICES = (32, 16, 7, 3, 1)
+PATCHED_FLOOR = 16  # the patched build's kernels keep bits up to here on every CPU it supports
+STEPPED = 16  # rows each probe steps one at a time (the reference for forwards of up to 16 rows)
 ROW_PROBES = ((16, 7919), (23, 104729), (37, 15485863), (50, 32452843))  # (prefix length, token stride)
 # forward sizes around llama.cpp's kernel switches: the 4-row Q4_K GEMM and its leftover rows, the
-# Q6_K kernel of 2-7 rows, the tiled kernels from 8, the largest forward
+# Q6_K kernel of 2-7 rows, the tiled kernels from 8, a 16-row forward
 BOUNDARY_ROWS = (3, 4, 5, 7, 8, 9, 16)
+# forward sizes past STEPPED, checked against forwards of STEPPED rows (whose rows the sizes up to
+# STEPPED were found to keep): leftover rows past groups of four and of 16, the largest forward
+WIDE_ROWS = (17, 19, 24, 31, 32)
 PREFILL_PROBE = 24  # tokens of the prefill check's history: a prefill of them takes the multi-row kernels
 
 
@@ -52,14 +57,17 @@ def probe_ids(engine, count: int, step: int) -> list[int]:
 def row_counts_keeping_bits(engine) -> dict[int, bool]:
     """For each forward size 2..LOGIT_ROW_CHOICES[0]: whether its rows get the logits they get one
     at a time (llama.cpp's kernel choice by row count is internal to the library: checked, not
-    assumed). Every size is checked, not only the ones logit_rows may take: a forward of 5 or 6
-    rows takes kernel paths a 4-row or 16-row one does not (the leftover rows after a group of
-    four, the Q6_K kernel of 2-7 rows), and packed forwards have any size up to logit_rows.
+    assumed). Every size up to STEPPED is checked, not only the ones logit_rows may take: a forward
+    of 5 or 6 rows takes kernel paths a 4-row or 16-row one does not (the leftover rows after a
+    group of four, the Q6_K kernel of 2-7 rows), and packed forwards have any size up to logit_rows.
     Several probes: where two kernels round differently, some inputs still give equal bits (on
     AVX2, about one in six 4-row forwards), so one probe can pass a size that changes other rows.
-    Each probe steps LOGIT_ROW_CHOICES[0] rows one at a time once, then reruns the first n of
-    them as one forward: every n for the first two probes, the sizes where llama.cpp changes
-    kernels (BOUNDARY_ROWS) for the others, which keeps the check to a few seconds at load."""
+    Each probe steps STEPPED rows one at a time once, then reruns the first n of them as one
+    forward: every n for the first two probes, the sizes where llama.cpp changes kernels
+    (BOUNDARY_ROWS) for the others. Past STEPPED the reference is forwards of STEPPED rows, checked
+    by the same probe (16 more one-row steps cost five forwards of 16 rows), at the WIDE_ROWS sizes
+    for the first two probes and the largest for the others: a larger forward takes no kernel a
+    smaller one skips, it repeats their groups. This keeps the check to a few seconds at load."""
     top = LOGIT_ROW_CHOICES[0]
     ok = {n: True for n in range(2, top + 1)}
     probe = "__rows_probe"
@@ -68,8 +76,16 @@ def row_counts_keeping_bits(engine) -> dict[int, bool]:
             ids = probe_ids(engine, prefix + top, step)
             engine.logit_rows = 1
             engine.extend([ExtendCall(probe, ids[:prefix], 1)])
-            one = torch.cat([engine.extend([ExtendCall(probe, ids[: prefix + i + 1], 1)])[0] for i in range(top)])
-            for n in range(2, top + 1) if k < 2 else BOUNDARY_ROWS:
+            one = [engine.extend([ExtendCall(probe, ids[: prefix + i + 1], 1)])[0] for i in range(STEPPED)]
+            engine.logit_rows = STEPPED
+            for lo in range(prefix + STEPPED, prefix + top, STEPPED):
+                one.append(engine.extend([ExtendCall(probe, ids[: lo + STEPPED], STEPPED)])[0])
+            one = torch.cat(one)
+            if k < 2:
+                sizes = list(range(2, STEPPED + 1)) + [n for n in WIDE_ROWS if n <= top]
+            else:
+                sizes = list(BOUNDARY_ROWS) + ([top] if top > STEPPED else [])
+            for n in sizes:
                 engine.truncate(probe, prefix)  # the same prefix KV under both
                 engine.logit_rows = n
                 together = engine.extend([ExtendCall(probe, ids[: prefix + n], n)])[0]
@@ -80,18 +96,22 @@ def row_counts_keeping_bits(engine) -> dict[int, bool]:
 def sequences_keep_bits(engine, rows: int) -> bool:
     """Whether a forward holding several sequences (``rows`` rows in all, the same number from
     each, as pack_forwards builds them; sequences of different lengths) gives each row the
-    logits its one-row steps give it."""
+    logits its single-sequence forwards give it: one-row steps, or forwards of up to STEPPED rows
+    where row_counts_keeping_bits found those sizes exact."""
     per = max(1, rows // 3)
+    ref_rows = 1 if rows <= STEPPED else STEPPED
     seqs = [(f"__seq_probe_{j}", probe_ids(engine, prefix + per, step))
             for j, (prefix, step) in enumerate(ROW_PROBES[:3])]
     with probing(engine):
-        engine.logit_rows = 1
+        engine.logit_rows = ref_rows
         one = []
         for name, ids in seqs:
-            engine.extend([ExtendCall(name, ids[:-per], 1)])
-            one.append(torch.cat([engine.extend([ExtendCall(name, ids[: len(ids) - per + i + 1], 1)])[0]
-                                  for i in range(per)]))
-            engine.truncate(name, len(ids) - per)
+            start = len(ids) - per
+            engine.extend([ExtendCall(name, ids[:start], 1)])
+            one.append(torch.cat([engine.extend([ExtendCall(name, ids[: min(lo + ref_rows, len(ids))],
+                                                            min(ref_rows, len(ids) - lo))])[0]
+                                  for lo in range(start, len(ids), ref_rows)]))
+            engine.truncate(name, start)
         engine.logit_rows = per * len(seqs)
         together = engine.extend([ExtendCall(name, ids, per) for name, ids in seqs])
         for name, _ in seqs:
@@ -115,15 +135,16 @@ def prefill_keeps_bits(engine) -> bool:
 
 def choose_logit_rows(engine) -> int:
     """The largest of LOGIT_ROW_CHOICES whose every forward size up to it keeps a row's bits, alone
-    and with several sequences in the forward. The project's patched build must reach the
-    largest (docs/cpu_engine.md): one that does not is a kernel regression, and the engine
-    refuses to load rather than serve at a fraction of its speed or with a changed kernel."""
+    and with several sequences in the forward. The project's patched build must reach
+    PATCHED_FLOOR (docs/cpu_engine.md): one that does not is a kernel regression, and the engine
+    refuses to load rather than serve at a fraction of its speed or with a changed kernel. Past the
+    floor the check decides alone: a CPU whose kernels change a row's bits in a larger forward
+    serves with the floor's forwards."""
     ok = row_counts_keeping_bits(engine)
-    chosen = next(n for n in LOGIT_ROW_CHOICES if all(ok[m] for m in range(2, n + 1)))
-    if chosen > 1 and not sequences_keep_bits(engine, chosen):
-        chosen = next(n for n in LOGIT_ROW_CHOICES if n < chosen and (n == 1 or sequences_keep_bits(engine, n)))
-    if patched_build() and chosen < LOGIT_ROW_CHOICES[0]:
-        bad = [n for n, same in ok.items() if not same]
+    fits = [n for n in LOGIT_ROW_CHOICES if all(ok[m] for m in range(2, n + 1))]
+    chosen = next((n for n in fits if n == 1 or sequences_keep_bits(engine, n)), 1)
+    if patched_build() and chosen < PATCHED_FLOOR:
+        bad = [n for n, same in ok.items() if not same and n <= PATCHED_FLOOR]
         raise RuntimeError(
             f"{engine.folder}: the patched llama.cpp build changes a row's logits in forwards of "
             f"{bad or 'several sequences'} rows (threads {engine.threads}): its kernels for this file's weight types "
