@@ -37,6 +37,17 @@ def test_prompt_lookup_copies_the_prompt_as_far_as_the_match_earns():
     assert FreeDrafter().propose(text(50, 2), 16) == []
 
 
+def test_a_token_after_new_text_drafts_what_followed_it_before():
+    """Structured output: a separator right after a new value ends a pair never seen before, yet
+    the token after the separator has followed it every time (the 1-token key); a one-token match
+    drafts one token."""
+    sep, quote = 10, 11
+    fields = [[20, 21], [30, 31], [40, 41]]
+    record = [t for f in fields for t in f[:1] + [quote, 500 + f[0], sep, quote] + f[1:]]
+    drafter = FreeDrafter()
+    assert drafter.propose(record + [quote, 999, sep], 8) == [quote]  # 999 is new: (999, sep) never seen
+
+
 def test_the_sequence_only_grows_between_proposals():
     drafter = FreeDrafter()
     drafter.propose([1, 2, 3, 4], 4)
