@@ -216,6 +216,8 @@ class Scheduler:
         if self.trace:
             self.trace({"ev": "decide", "round": self.rounds, "batch": batch, "k": k, "budget": budget,
                         "choice": best.value, "reason": reason, "owed_rows": owed_rows, "tokens_left": tokens_left,
+                        "lookup": None if lookup is None else {"alpha": round(lookup.alpha, 3), "p_draft": round(
+                            lookup.p_draft, 3), "length": round(lookup.length, 2), "k_max": lookup.k_max},
                         "ks": {c.value: v for c, v in (ks or {}).items()},
                         "prior": {c.value: round(v, 3) for c, v in prior.items()},
                         "est": {c.value: round(v, 3) for c, v in est.items()},
@@ -228,7 +230,9 @@ class Scheduler:
         costly change measures the change, not the choice, and is left out."""
         if self.trace:  # every round, the ones left out of the records too
             self.trace({"ev": "round", "choice": rec.choice.value, "batch": rec.batch, "k": rec.k,
-                        "tokens": rec.tokens, "s": round(rec.seconds, 4), "prompt_s": round(rec.prompt_seconds, 4),
+                        "tokens": rec.tokens, "drafted": rec.drafted, "s": round(rec.seconds, 4),
+                        "fast_guess": [rec.ngram_accepted, rec.ngram_drafted],  # accepted of drafted
+                        "prompt_s": round(rec.prompt_seconds, 4),
                         "draft_s": round(rec.draft_seconds, 4), "verify_s": round(rec.verify_seconds, 4),
                         "drafter_forward_s": round(sum(s for _, s in rec.drafter_timing), 4),
                         "target_forward_s": round(sum(s for _, s in rec.target_timing), 4),
