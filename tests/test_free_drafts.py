@@ -173,6 +173,25 @@ def test_a_chat_that_turns_into_an_edit_moves_to_lookup_and_back():
     assert back[-1].choice == AR_WIDE and back[0].choice == LOOKUP_WIDE
 
 
+def test_a_new_request_prices_lookup_as_a_target_step_until_a_round_shows_drafts():
+    """Before any round a request has shown no free draft: lookup is priced as one target step (no
+    higher than AR), even where the verify's extra rows cost next to nothing (this VM's curve:
+    112 / 107 / 130 / 235 / 316 ms at 1 / 2 / 4 / 8 / 16 rows). The first round's scoring (an AR
+    round's block) is evidence enough: an edit moves to lookup at once."""
+    s = Scheduler()
+    for rows, ms in ((1, 112.0), (2, 107.0), (4, 130.0), (8, 235.0), (16, 316.0), (32, 560.0)):
+        for curve, scale in ((s.model.target_wide, 1.0), (s.model.target, 1.8), (s.model.drafter_wide, 0.53),
+                             (s.model.drafter, 0.53 * 1.8)):
+            curve.observe(rows, scale * ms / 1000)
+    fresh = LookupEstimate()
+    rates = s.model.rates(1, 4, 8, LookupOutlook.mean([fresh.outlook()], 16))
+    assert rates[LOOKUP_WIDE] <= rates[AR_WIDE]
+    assert decide(s, fresh, "r").choice != LOOKUP_WIDE
+    edit = LookupEstimate()
+    edit.score(list(range(15)), list(range(8)))  # an AR round's 8 tokens, all the free draft's
+    assert decide(s, edit, "r").choice == LOOKUP_WIDE
+
+
 def test_lookup_records_correct_the_prior_not_replace_it():
     """A lookup round's record holds its tokens against its prior's prediction: an edit's fast
     rounds do not make a chat's lookup look fast."""
