@@ -212,6 +212,24 @@ def test_lookup_records_correct_the_prior_not_replace_it():
     assert est_chat[LOOKUP_WIDE] < est_chat[AR_WIDE]
 
 
+def test_lookup_before_its_own_records_is_corrected_as_the_target_alone_is_not_as_the_drafter():
+    """Until lookup rounds have run, their price borrows the correction of the rounds that run the
+    target alone (AR): a lookup round is a target forward and a free draft. The neural drafter's
+    shortfall (its core contended, its drafts accepted less than predicted) is none of lookup's."""
+    from ssd.algorithm.rounds import RoundRecord
+
+    s = wide_scheduler()
+    edit = LookupOutlook(alpha=0.95, p_draft=1.0, length=16, k_max=16)
+    prior = s.model.rates(1, 4, 8, edit)
+    for choice, share in ((Choice.SD_WIDE, 0.5), (Choice.AR_WIDE, 1.0)):
+        for _ in range(20):  # SD rounds make half their predicted rate, AR rounds what was predicted
+            s.observe(RoundRecord(choice, "policy", 4, 0, 1, tokens=4, seconds=4 / (share * prior[choice]),
+                                  source="draft" if choice == Choice.SD_WIDE else "none", drafted=4, hit=None))
+    est, _ = s.estimates(1, 4, 8, prior=prior)
+    assert est[Choice.SD_WIDE] < 0.7 * prior[Choice.SD_WIDE]  # the drafter's shortfall, learned
+    assert est[LOOKUP_WIDE] == pytest.approx(prior[LOOKUP_WIDE], rel=0.05)
+
+
 def test_a_request_may_opt_out_and_pinned_requests_never_get_lookup_rounds():
     from ssd.config import DecodeConfig
 

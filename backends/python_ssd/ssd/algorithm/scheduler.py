@@ -174,10 +174,14 @@ class Scheduler:
         p = self.cfg.prior_rounds
         est = {c: (p * (by_mode[c.mode] or pooled) * prior[c] + r.tokens / max(r.seconds, 1e-9) * r.weight)
                / (p + r.weight) for c, r in recs.items() if c.mode != "lookup"}
-        for c in (Choice.LOOKUP, Choice.LOOKUP_WIDE):  # per request: the prior of now, corrected as measured
+        # lookup, per request: the prior of now, corrected as its rounds measured; before they have,
+        # as the rounds that run the target alone (a lookup round is a target forward and a free
+        # draft: the neural drafter's shortfall, its core's contention and its acceptance, is not its)
+        target_alone = by_mode["ar"] or pooled
+        for c in (Choice.LOOKUP, Choice.LOOKUP_WIDE):
             r = recs[c]
-            ratio = min(max(r.tokens / r.expected, 0.1), 10.0) if r.expected > 0 else (by_mode["sd"] or pooled)
-            est[c] = (p * (by_mode["sd"] or pooled) + ratio * r.weight) / (p + r.weight) * prior[c]
+            ratio = min(max(r.tokens / r.expected, 0.1), 10.0) if r.expected > 0 else target_alone
+            est[c] = (p * target_alone + ratio * r.weight) / (p + r.weight) * prior[c]
         return est, {c: p + r.weight for c, r in recs.items()}
 
     def after_catch_up(self, est: dict, owed_rows: int, tokens_left: float) -> dict:
