@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import PROMPTS, REPO, TARGET, WEAK
 
 N = 12
@@ -350,3 +352,20 @@ def test_paired_group_sends_its_prompts_at_once_and_sums_them():
     assert peak[0] == 3 and g["tokens"] == 6 and g["prompt_tokens"] == 60 and g["cached_prompt_tokens"] == 6
     assert abs(g["prefill_s"] - 0.6) < 1e-9 and g["decode_s"] == 3.0 and g["wall_s"] > 0
     assert [r["tokens"] for r in g["requests"]] == [1, 2, 3]  # in prompt order
+
+
+def test_the_lookup_ceiling_prices_rounds_on_the_curve_it_is_given():
+    from ssd.algorithm.free_draft import FreeDrafter
+    from ssd_tools.bench.lookup_ceiling import ROW_MS, forward_ms, parse_row_ms, simulate
+
+    assert [forward_ms(r) for r in (1, 4, 6)] == [27.3, pytest.approx(47.35), pytest.approx(61.05)]
+    flat = parse_row_ms("1:112,2:107,4:130,16:316")
+    assert forward_ms(3, flat) == pytest.approx(118.5) and forward_ms(20, flat) == pytest.approx(316 + 4 * 15.5)
+    with pytest.raises(SystemExit, match="--row-ms"):
+        parse_row_ms("2:33.6")
+    # an answer that copies its prompt: lookup rounds of several tokens, cheaper where rows are flat
+    prompt = list(range(100, 160))
+    output = [7] + prompt[:40]
+    ms, rounds = simulate(prompt, output, FreeDrafter(), 15, flat)
+    assert rounds < 10 and ms < forward_ms(1, flat) * (len(output) - 1) / 3
+    assert simulate(prompt, output, FreeDrafter(), 15, ROW_MS)[1] == rounds  # the curve prices, not drafts

@@ -37,6 +37,17 @@ def test_prompt_lookup_copies_the_prompt_as_far_as_the_match_earns():
     assert FreeDrafter().propose(text(50, 2), 16) == []
 
 
+def test_a_token_after_new_text_drafts_what_followed_it_before():
+    """Structured output: a separator right after a new value ends a pair never seen before, yet
+    the token after the separator has followed it every time (the 1-token key); a one-token match
+    drafts one token."""
+    sep, quote = 10, 11
+    fields = [[20, 21], [30, 31], [40, 41]]
+    record = [t for f in fields for t in f[:1] + [quote, 500 + f[0], sep, quote] + f[1:]]
+    drafter = FreeDrafter()
+    assert drafter.propose(record + [quote, 999, sep], 8) == [quote]  # 999 is new: (999, sep) never seen
+
+
 def test_the_sequence_only_grows_between_proposals():
     drafter = FreeDrafter()
     drafter.propose([1, 2, 3, 4], 4)
@@ -162,6 +173,25 @@ def test_a_chat_that_turns_into_an_edit_moves_to_lookup_and_back():
     assert back[-1].choice == AR_WIDE and back[0].choice == LOOKUP_WIDE
 
 
+def test_a_new_request_prices_lookup_as_a_target_step_until_a_round_shows_drafts():
+    """Before any round a request has shown no free draft: lookup is priced as one target step (no
+    higher than AR), even where the verify's extra rows cost next to nothing (this VM's curve:
+    112 / 107 / 130 / 235 / 316 ms at 1 / 2 / 4 / 8 / 16 rows). The first round's scoring (an AR
+    round's block) is evidence enough: an edit moves to lookup at once."""
+    s = Scheduler()
+    for rows, ms in ((1, 112.0), (2, 107.0), (4, 130.0), (8, 235.0), (16, 316.0), (32, 560.0)):
+        for curve, scale in ((s.model.target_wide, 1.0), (s.model.target, 1.8), (s.model.drafter_wide, 0.53),
+                             (s.model.drafter, 0.53 * 1.8)):
+            curve.observe(rows, scale * ms / 1000)
+    fresh = LookupEstimate()
+    rates = s.model.rates(1, 4, 8, LookupOutlook.mean([fresh.outlook()], 16))
+    assert rates[LOOKUP_WIDE] <= rates[AR_WIDE]
+    assert decide(s, fresh, "r").choice != LOOKUP_WIDE
+    edit = LookupEstimate()
+    edit.score(list(range(15)), list(range(8)))  # an AR round's 8 tokens, all the free draft's
+    assert decide(s, edit, "r").choice == LOOKUP_WIDE
+
+
 def test_lookup_records_correct_the_prior_not_replace_it():
     """A lookup round's record holds its tokens against its prior's prediction: an edit's fast
     rounds do not make a chat's lookup look fast."""
@@ -180,6 +210,24 @@ def test_lookup_records_correct_the_prior_not_replace_it():
     assert est_edit[LOOKUP_WIDE] == pytest.approx(0.5 * s.model.rates(1, 4, 8, edit)[LOOKUP_WIDE], rel=0.1)
     assert est_chat[LOOKUP_WIDE] < 0.6 * s.model.rates(1, 4, 8, chat)[LOOKUP_WIDE]
     assert est_chat[LOOKUP_WIDE] < est_chat[AR_WIDE]
+
+
+def test_lookup_before_its_own_records_is_corrected_as_the_target_alone_is_not_as_the_drafter():
+    """Until lookup rounds have run, their price borrows the correction of the rounds that run the
+    target alone (AR): a lookup round is a target forward and a free draft. The neural drafter's
+    shortfall (its core contended, its drafts accepted less than predicted) is none of lookup's."""
+    from ssd.algorithm.rounds import RoundRecord
+
+    s = wide_scheduler()
+    edit = LookupOutlook(alpha=0.95, p_draft=1.0, length=16, k_max=16)
+    prior = s.model.rates(1, 4, 8, edit)
+    for choice, share in ((Choice.SD_WIDE, 0.5), (Choice.AR_WIDE, 1.0)):
+        for _ in range(20):  # SD rounds make half their predicted rate, AR rounds what was predicted
+            s.observe(RoundRecord(choice, "policy", 4, 0, 1, tokens=4, seconds=4 / (share * prior[choice]),
+                                  source="draft" if choice == Choice.SD_WIDE else "none", drafted=4, hit=None))
+    est, _ = s.estimates(1, 4, 8, prior=prior)
+    assert est[Choice.SD_WIDE] < 0.7 * prior[Choice.SD_WIDE]  # the drafter's shortfall, learned
+    assert est[LOOKUP_WIDE] == pytest.approx(prior[LOOKUP_WIDE], rel=0.05)
 
 
 def test_a_request_may_opt_out_and_pinned_requests_never_get_lookup_rounds():

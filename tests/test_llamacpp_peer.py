@@ -91,6 +91,26 @@ def test_prompt_lookup_peer_keeps_greedy_tokens_and_counts_its_drafts(ggufs):
     assert sum(r["draft_n"] for r in rows) > 0  # the random model repeats pieces: lookup drafts
 
 
+def test_prompt_lookup_peer_runs_past_the_librarys_batch_of_logits(ggufs):
+    """With a draft model llama-cpp-python keeps every position's logits; a sequence past 512
+    tokens (its n_batch) must still decode, and the same as the plain model's greedy tokens."""
+    from llama_cpp import Llama
+
+    from ssd_tools.bench.lcpp_lookup import PromptLookupPeer
+
+    prompt = [1] + [300 + i % 40 for i in range(600)]  # repeats: lookup drafts from the start
+    llm = Llama(model_path=str(ggufs["target"]), n_ctx=1024, n_threads=1, verbose=False)
+    plain = []
+    for t in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0):
+        if t == llm.token_eos() or len(plain) == N:
+            break
+        plain.append(t)
+    del llm
+    with PromptLookupPeer(ggufs["target"], pred_tokens=10, n_ctx=1024, cores="0", threads=1) as peer:
+        row = peer.complete(prompt, N)
+    assert row["ids"] == plain and row["draft_n"] > 0
+
+
 def test_prompt_lookup_counts_a_draft_accepted_up_to_its_first_miss():
     from ssd_tools.bench.lcpp_lookup import CountingLookup
 

@@ -80,8 +80,11 @@ def serve(a) -> None:
     from llama_cpp import Llama
 
     lookup = CountingLookup(a.max_ngram_size, a.pred_tokens)
+    # logits_all=True: with a draft model the library keeps every position's logits (its eval writes
+    # them all), but it sizes that array from the logits_all argument: n_batch (512) rows when False,
+    # so a sequence past 512 tokens fails with "could not broadcast ... into shape (0,)".
     llm = Llama(model_path=str(a.model), n_ctx=a.n_ctx, n_threads=a.threads, n_threads_batch=a.threads,
-                draft_model=lookup, verbose=False)
+                draft_model=lookup, logits_all=True, verbose=False)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         if line.strip():

@@ -7,6 +7,11 @@ scored on every round whatever the round ran: the free draft the request would h
 compared with the tokens the round produced (an AR round's block too), so a request decoding in
 AR rounds learns that its lookup would now pay. Positions past the round's block are unknown and
 are counted as neither accepted nor rejected.
+
+A new request has shown no draft yet, so its estimate starts at no drafts (``p_draft`` 0): lookup is
+priced as a plain target step, never above AR, until a round shows what the request's free drafts
+would yield. One scored round is enough evidence to move it (the means replace their prior at the
+first observation), so an edit's first AR round already prices its lookup from the copied tokens.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ ADAPT = 0.2  # weight of the newest round: about five rounds follow a change of 
 @dataclass
 class LookupEstimate:
     accept: Acceptance = field(default_factory=lambda: Acceptance(0.5, ema=ADAPT))  # per drafted position
-    p_draft: Ema = field(default_factory=lambda: Ema(0.5, alpha=ADAPT))  # share of rounds with a draft
+    p_draft: Ema = field(default_factory=lambda: Ema(0.0, alpha=ADAPT))  # share of rounds with a draft
     length: Ema = field(default_factory=lambda: Ema(4.0, alpha=ADAPT))  # tokens a draft offers
 
     def score(self, guess: list[int], block: list[int]) -> int:

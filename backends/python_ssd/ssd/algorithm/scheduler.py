@@ -174,10 +174,14 @@ class Scheduler:
         p = self.cfg.prior_rounds
         est = {c: (p * (by_mode[c.mode] or pooled) * prior[c] + r.tokens / max(r.seconds, 1e-9) * r.weight)
                / (p + r.weight) for c, r in recs.items() if c.mode != "lookup"}
-        for c in (Choice.LOOKUP, Choice.LOOKUP_WIDE):  # per request: the prior of now, corrected as measured
+        # lookup, per request: the prior of now, corrected as its rounds measured; before they have,
+        # as the rounds that run the target alone (a lookup round is a target forward and a free
+        # draft: the neural drafter's shortfall, its core's contention and its acceptance, is not its)
+        target_alone = by_mode["ar"] or pooled
+        for c in (Choice.LOOKUP, Choice.LOOKUP_WIDE):
             r = recs[c]
-            ratio = min(max(r.tokens / r.expected, 0.1), 10.0) if r.expected > 0 else (by_mode["sd"] or pooled)
-            est[c] = (p * (by_mode["sd"] or pooled) + ratio * r.weight) / (p + r.weight) * prior[c]
+            ratio = min(max(r.tokens / r.expected, 0.1), 10.0) if r.expected > 0 else target_alone
+            est[c] = (p * target_alone + ratio * r.weight) / (p + r.weight) * prior[c]
         return est, {c: p + r.weight for c, r in recs.items()}
 
     def after_catch_up(self, est: dict, owed_rows: int, tokens_left: float) -> dict:
@@ -216,6 +220,8 @@ class Scheduler:
         if self.trace:
             self.trace({"ev": "decide", "round": self.rounds, "batch": batch, "k": k, "budget": budget,
                         "choice": best.value, "reason": reason, "owed_rows": owed_rows, "tokens_left": tokens_left,
+                        "lookup": None if lookup is None else {"alpha": round(lookup.alpha, 3), "p_draft": round(
+                            lookup.p_draft, 3), "length": round(lookup.length, 2), "k_max": lookup.k_max},
                         "ks": {c.value: v for c, v in (ks or {}).items()},
                         "prior": {c.value: round(v, 3) for c, v in prior.items()},
                         "est": {c.value: round(v, 3) for c, v in est.items()},
@@ -228,7 +234,9 @@ class Scheduler:
         costly change measures the change, not the choice, and is left out."""
         if self.trace:  # every round, the ones left out of the records too
             self.trace({"ev": "round", "choice": rec.choice.value, "batch": rec.batch, "k": rec.k,
-                        "tokens": rec.tokens, "s": round(rec.seconds, 4), "prompt_s": round(rec.prompt_seconds, 4),
+                        "tokens": rec.tokens, "drafted": rec.drafted, "s": round(rec.seconds, 4),
+                        "fast_guess": [rec.ngram_accepted, rec.ngram_drafted],  # accepted of drafted
+                        "prompt_s": round(rec.prompt_seconds, 4),
                         "draft_s": round(rec.draft_seconds, 4), "verify_s": round(rec.verify_seconds, 4),
                         "drafter_forward_s": round(sum(s for _, s in rec.drafter_timing), 4),
                         "target_forward_s": round(sum(s for _, s in rec.target_timing), 4),

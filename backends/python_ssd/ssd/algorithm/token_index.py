@@ -4,7 +4,10 @@ A document is a token list (one request's sequence, or an earlier request's prom
 every run of ``key_len`` tokens in it is indexed by where it ends, for each of the index's key
 lengths. A long key finds long matches anywhere in a large index in one look-up, where the short
 key's list of a common pair (two spaces, ``):``) holds thousands of places and only its most recent
-ones are read; the short key still finds a continuation where no long run repeats.
+ones are read; the short keys still find a continuation where no long run repeats. The 1-token key
+serves the token right after a new one: in structured output (``"title": "<new text>", "``) the
+separator that follows a value has never occurred after that value, yet what follows the separator
+is the structure's own next token.
 Documents leave in the order they came (``remove_oldest``): each key's list is in insertion
 order, so a leaving document's entries are at the front of every list that holds them.
 """
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 
-DEFAULT_KEY_LENS = (8, 2)
+DEFAULT_KEY_LENS = (8, 2, 1)
 
 
 class TokenIndex:
