@@ -148,7 +148,7 @@ class ServerConfig:
     free_drafts: bool = True
     lookup_max_k: int = 31
     # the suffix cache of earlier requests' prompts and outputs: its bound in tokens (0: off; about
-    # 150 bytes a token) and its scope: global (every request drafts from every earlier one) or
+    # 1.2 KB a token with its three keys) and its scope: global (every request drafts from every earlier one) or
     # request (a request drafts from its own text only)
     suffix_cache_tokens: int = 65536
     suffix_cache_scope: str = "global"
