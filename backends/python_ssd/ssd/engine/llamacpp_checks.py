@@ -54,6 +54,14 @@ def probing(engine):
 def probe_ids(engine, count: int, step: int) -> list[int]:
     return [(step * i) % (engine.vocab_size - 10) + 10 for i in range(count)]
 
+def logits_in_forwards(engine, seq: str, ids: list[int], start: int, rows: int) -> torch.Tensor:
+    """The logits of ``ids[start:]`` for ``seq``, which holds ``ids[:start]``, computed in forwards of
+    ``rows`` rows (the last may hold fewer): a check's reference."""
+    engine.logit_rows = rows
+    return torch.cat([engine.extend([ExtendCall(seq, ids[: min(lo + rows, len(ids))], min(rows, len(ids) - lo))])[0]
+                      for lo in range(start, len(ids), rows)])
+
+
 def row_counts_keeping_bits(engine) -> dict[int, bool]:
     """For each forward size 2..LOGIT_ROW_CHOICES[0]: whether its rows get the logits they get one
     at a time (llama.cpp's kernel choice by row count is internal to the library: checked, not
@@ -76,11 +84,9 @@ def row_counts_keeping_bits(engine) -> dict[int, bool]:
             ids = probe_ids(engine, prefix + top, step)
             engine.logit_rows = 1
             engine.extend([ExtendCall(probe, ids[:prefix], 1)])
-            one = [engine.extend([ExtendCall(probe, ids[: prefix + i + 1], 1)])[0] for i in range(STEPPED)]
-            engine.logit_rows = STEPPED
-            for lo in range(prefix + STEPPED, prefix + top, STEPPED):
-                one.append(engine.extend([ExtendCall(probe, ids[: lo + STEPPED], STEPPED)])[0])
-            one = torch.cat(one)
+            one = logits_in_forwards(engine, probe, ids[: prefix + STEPPED], prefix, 1)
+            if top > STEPPED:
+                one = torch.cat([one, logits_in_forwards(engine, probe, ids, prefix + STEPPED, STEPPED)])
             if k < 2:
                 sizes = list(range(2, STEPPED + 1)) + [n for n in WIDE_ROWS if n <= top]
             else:
@@ -99,18 +105,15 @@ def sequences_keep_bits(engine, rows: int) -> bool:
     logits its single-sequence forwards give it: one-row steps, or forwards of up to STEPPED rows
     where row_counts_keeping_bits found those sizes exact."""
     per = max(1, rows // 3)
-    ref_rows = 1 if rows <= STEPPED else STEPPED
     seqs = [(f"__seq_probe_{j}", probe_ids(engine, prefix + per, step))
             for j, (prefix, step) in enumerate(ROW_PROBES[:3])]
     with probing(engine):
-        engine.logit_rows = ref_rows
+        engine.logit_rows = 1
         one = []
         for name, ids in seqs:
             start = len(ids) - per
             engine.extend([ExtendCall(name, ids[:start], 1)])
-            one.append(torch.cat([engine.extend([ExtendCall(name, ids[: min(lo + ref_rows, len(ids))],
-                                                            min(ref_rows, len(ids) - lo))])[0]
-                                  for lo in range(start, len(ids), ref_rows)]))
+            one.append(logits_in_forwards(engine, name, ids, start, 1 if rows <= STEPPED else STEPPED))
             engine.truncate(name, start)
         engine.logit_rows = per * len(seqs)
         together = engine.extend([ExtendCall(name, ids, per) for name, ids in seqs])
