@@ -23,8 +23,8 @@ from ssd_tools.bench.workloads import WORKLOADS
 
 REPO = Path(__file__).resolve().parents[2]
 # the llama.cpp target's forward at 2 threads, ms by rows (the Zen 5 EPYC's; --row-ms for another
-# machine's), 6.75 ms a row past the last point
-ROW_MS = {1: 27.3, 2: 33.6, 3: 40.4, 5: 54.3}
+# machine's): 6.75 ms a row past 5 rows, the slope its last two points carry on
+ROW_MS = {1: 27.3, 2: 33.6, 3: 40.4, 5: 54.3, 6: 61.05}
 
 
 def parse_row_ms(text: str) -> dict[int, float]:
@@ -44,8 +44,7 @@ def forward_ms(rows: int, curve: dict[int, float] = ROW_MS) -> float:
     pts = sorted(curve.items())
     if rows >= pts[-1][0]:
         (r0, m0), (r1, m1) = pts[-2], pts[-1]
-        slope = 6.75 if curve is ROW_MS else (m1 - m0) / (r1 - r0)
-        return m1 + slope * (rows - r1)
+        return m1 + (m1 - m0) / (r1 - r0) * (rows - r1)
     lo = max(p for p in pts if p[0] <= rows)
     hi = min(p for p in pts if p[0] >= rows)
     return lo[1] if hi[0] == lo[0] else lo[1] + (hi[1] - lo[1]) * (rows - lo[0]) / (hi[0] - lo[0])
