@@ -148,8 +148,8 @@ class ServerConfig:
     free_drafts: bool = True
     lookup_max_k: int = 31
     # the suffix cache of earlier requests' prompts and outputs: its bound in tokens (0: off; about
-    # 1.2 KB a token with its three keys) and its scope: global (every request drafts from every earlier one) or
-    # request (a request drafts from its own text only)
+    # 1.2 KB a token with its three keys) and its scope: global (every request drafts from every
+    # earlier one) or request (a request drafts from its own text only)
     suffix_cache_tokens: int = 65536
     suffix_cache_scope: str = "global"
     # the scheduler's knobs (algorithm/scheduler.py), set by parameters of their own names

@@ -104,7 +104,7 @@ class StepCost:
         more cores keeps its cost's shape in rows: a wide curve that has seen only one-row steps
         prices a verify from the split curve's verify, not at one row's cost, and one measured at a
         few batch sizes keeps the split curve's steps between them (33 rows a forward dearer than
-        16). Unmeasured: ``shape`` itself."""
+        32). Unmeasured: ``shape`` itself."""
         if not self.known:
             return shape
         if not shape.known:

@@ -10,9 +10,10 @@ runs and gives their timings to the curves as priors, which the rounds' own forw
 to the server's largest batch, on each layout, and on the split layout one sequence of the rows a
 verify of K drafts takes, K + 1 up to the longest draft (a lookup's 32 rows at lookup_max_k 31):
 llama.cpp runs a call's rows in forwards of up to its logit_rows (32, or 16 where the larger
-forward's check fails), so a verify past them costs a forward more, a step no extrapolation finds. The wide curve takes that shape from the split one
-(StepCost.along), which keeps the wide layout's share of the warmup to the batch sizes. The
-drafter: b sequences of one row, on each layout.
+forward's check fails), so a verify past them costs a forward more, a step no extrapolation
+finds. The wide curve takes that shape from the split one (StepCost.along), which keeps the wide
+layout's share of the warmup to the batch sizes. The drafter: b sequences of one row, on each
+layout.
 
 How a shape is timed decides whether its price holds:
 - An engine's first forward on a layout pays what later ones do not (its OpenMP threads are
